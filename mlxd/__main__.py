@@ -1,0 +1,5 @@
+import sys
+
+from mlxd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""The OpenAI surface: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Controller, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+from litestar.response import Stream
+
+from mlxd.api import jobs, respond
+from mlxd.api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+)
+from mlxd.daemon import Daemon
+from mlxd.pipeline.job import Done
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(Stream):
+    """An SSE response. Litestar lets a handler's inferred media type (JSON here) override the response's
+    own, so this one insists on ``text/event-stream``."""
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    tags = ["OpenAI"]
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(
+        self, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon]
+    ) -> ChatCompletion | EventStream:
+        """Chat completion, streaming (SSE) or not, in the OpenAI format."""
+        daemon.require_ready()
+        model = daemon.resolve_model(data.model)
+        job = jobs.chat_job(data, model, daemon.config.model.sampling)
+        events, trace = await respond.start(daemon.pipeline, job, "chat")
+        created = int(time.time())
+        if not data.stream:
+            text, done = await respond.collect(events, trace)
+            message = AssistantMessage(content=text)
+            choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
+            return ChatCompletion(job.request_id, created, model, [choice], respond.usage_of(done))
+
+        def chunk(delta: Delta, finish: str | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(job.request_id, created, model, [ChunkChoice(0, delta, finish)])
+
+        def on_done(done: Done) -> list[ChatCompletionChunk]:
+            chunks = [chunk(Delta(), done.finish_reason)]
+            if data.stream_options and data.stream_options.include_usage:
+                chunks.append(ChatCompletionChunk(job.request_id, created, model, [], respond.usage_of(done)))
+            return chunks
+
+        frames = respond.stream_sse(
+            events, trace, lambda text: chunk(Delta(content=text)), on_done, chunk(Delta(role="assistant", content=""))
+        )
+        return EventStream(frames)
+
+    @post("/completions", status_code=200)
+    async def completions(self, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon]) -> Completion | EventStream:
+        """Text completion of a raw prompt (no chat template)."""
+        daemon.require_ready()
+        model = daemon.resolve_model(data.model)
+        job = jobs.completion_job(data, model, daemon.config.model.sampling)
+        events, trace = await respond.start(daemon.pipeline, job, "completions")
+        created = int(time.time())
+        if not data.stream:
+            text, done = await respond.collect(events, trace)
+            choice = CompletionChoice(index=0, text=text, finish_reason=done.finish_reason)
+            return Completion(job.request_id, created, model, [choice], respond.usage_of(done))
+
+        def chunk(text: str, finish: str | None = None) -> Completion:
+            return Completion(job.request_id, created, model, [CompletionChoice(0, text, finish)])
+
+        def on_done(done: Done) -> list[Completion]:
+            chunks = [chunk("", done.finish_reason)]
+            if data.stream_options and data.stream_options.include_usage:
+                chunks.append(Completion(job.request_id, created, model, [], respond.usage_of(done)))
+            return chunks
+
+        frames = respond.stream_sse(events, trace, chunk, on_done)
+        return EventStream(frames)
+
+    @get("/models")
+    async def list_models(self, daemon: NamedDependency[Daemon]) -> ModelList:
+        """The served model (aliases are patterns, so they are not listed as models)."""
+        return ModelList([ModelCard(name, daemon.created) for name in daemon.served_names()])
+
+    @get("/models/{model_id:path}")
+    async def get_model(self, model_id: FromPath[str], daemon: NamedDependency[Daemon]) -> ModelCard:
+        """One model by id: the served name, or any id matching an alias pattern (404 otherwise)."""
+        model_id = model_id.lstrip("/")
+        daemon.resolve_model(model_id)
+        return ModelCard(model_id, daemon.created)

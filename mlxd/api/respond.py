@@ -1,0 +1,154 @@
+"""Running a job through the pipeline and shaping what comes out: one JSON body, or SSE frames.
+
+Both paths end in one canonical log line per request. Leaving early (a client gone, a stop sequence) closes
+the pipeline's stream, which cancels the engine request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+
+from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
+from mlxd.errors import MlxdError, PipelineError
+from mlxd.log import get_logger
+from mlxd.pipeline.job import Done, Job, KeepAlive, TextDelta
+from mlxd.pipeline.pipeline import Pipeline
+
+log = get_logger("mlxd.request")
+ENCODER = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+def sse(payload: msgspec.Struct) -> bytes:
+    return b"data: " + ENCODER.encode(payload) + b"\n\n"
+
+
+def usage_of(done: Done) -> Usage:
+    return Usage(
+        prompt_tokens=done.num_prompt_tokens,
+        completion_tokens=done.num_completion_tokens,
+        total_tokens=done.num_prompt_tokens + done.num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.num_cached_tokens),
+    )
+
+
+@dataclass(slots=True)
+class Trace:
+    """Timings and outcome of one request, for its log line."""
+
+    job: Job
+    endpoint: str
+    started: float
+    first_token: float | None = None
+    done: Done | None = None
+    outcome: str = "ok"
+
+    def log(self) -> None:
+        now = time.monotonic()
+        done = self.done
+        log.info(
+            "request",
+            request_id=self.job.request_id,
+            endpoint=self.endpoint,
+            model=self.job.model,
+            prompt_tokens=len(self.job.prompt_ids),
+            completion_tokens=done.num_completion_tokens if done else None,
+            cached_tokens=done.num_cached_tokens if done else None,
+            ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
+            total_s=round(now - self.started, 4),
+            finish_reason=done.finish_reason if done else None,
+            outcome=self.outcome,
+        )
+
+
+async def start(pipeline: Pipeline, job: Job, endpoint: str) -> tuple[AsyncIterator[Any], Trace]:
+    """Prepare the job and open its stream; errors here (bad request, overload) become HTTP errors."""
+    structlog.contextvars.bind_contextvars(request_id=job.request_id)
+    trace = Trace(job, endpoint, time.monotonic())
+    try:
+        pipeline.prepare(job)
+        events = pipeline.stream(job)
+        first = await anext(events, None)
+    except MlxdError as e:
+        trace.outcome = f"error {e.status}"
+        trace.log()
+        raise
+    return _prepend(first, events), trace
+
+
+async def _prepend(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async with aclosing(events):
+        if first is not None:
+            yield first
+        async for event in events:
+            yield event
+
+
+async def collect(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
+    """Drain the stream into (text, Done) for a non-streaming response."""
+    parts: list[str] = []
+    try:
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    trace.first_token = trace.first_token or time.monotonic()
+                    parts.append(event.text)
+                elif isinstance(event, Done):
+                    trace.done = event
+        if trace.done is None:
+            raise PipelineError("the pipeline ended without a final event (is `detokenize` last?)")
+        return "".join(parts), trace.done
+    except BaseException as e:
+        trace.outcome = _outcome(e)
+        raise
+    finally:
+        trace.log()
+
+
+async def stream_sse(
+    events: AsyncIterator[Any],
+    trace: Trace,
+    on_text: Callable[[str], msgspec.Struct],
+    on_done: Callable[[Done], list[msgspec.Struct]],
+    opening: msgspec.Struct | None = None,
+) -> AsyncIterator[bytes]:
+    """SSE frames: an optional opening chunk, one chunk per text delta, closing chunks, then ``[DONE]``."""
+    try:
+        async with aclosing(events):
+            if opening is not None:
+                yield sse(opening)
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    trace.first_token = trace.first_token or time.monotonic()
+                    yield sse(on_text(event.text))
+                elif isinstance(event, KeepAlive):
+                    yield SSE_KEEPALIVE
+                elif isinstance(event, Done):
+                    trace.done = event
+                    for chunk in on_done(event):
+                        yield sse(chunk)
+        yield SSE_DONE
+    except MlxdError as e:
+        trace.outcome = _outcome(e)
+        yield sse(ErrorBody(ErrorDetail(message=e.message, type=e.type)))
+    except BaseException as e:
+        trace.outcome = _outcome(e)
+        raise
+    finally:
+        trace.log()
+
+
+def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, MlxdError):
+        return f"error {exc.status}: {exc.message}"
+    if isinstance(exc, GeneratorExit | OSError) or type(exc).__name__ in ("CancelledError", "ClientDisconnect"):
+        return "client disconnected"
+    return f"error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,77 @@
+"""The daemon config, as msgspec structs. Unknown fields are errors; every field has a safe default."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class ServerConfig(Base):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Seconds of silence after which a streaming response gets an SSE comment, so proxies keep it open.
+    keepalive_s: float = 5.0
+    cors_origins: list[str] = []
+
+
+class SamplingDefaults(Base):
+    """Used when a request leaves a field out."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 1024
+
+
+class ModelConfig(Base):
+    # A local MLX folder, a .gguf file, or "embedded:smollm2-135m".
+    source: str
+    kind: Literal["auto", "text", "vision"] = "auto"
+    name: str = ""
+    # Glob patterns (fnmatch): agents send their own model ids, e.g. "claude-*" or "gpt-4*".
+    aliases: list[str] = []
+    # A Jinja chat template (inline text, or a path to a file) that replaces the model's own.
+    chat_template: str = ""
+    # 0: read from the model's config (max_position_embeddings).
+    context_length: int = 0
+    # "auto": float32 on Linux CPU (fast with OpenBLAS), the model's own dtype elsewhere.
+    dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = "auto"
+    sampling: SamplingDefaults = SamplingDefaults()
+
+
+class EngineConfig(Base):
+    type: Literal["serial"] = "serial"
+    # Requests allowed to wait for the engine; beyond this new requests get 429.
+    max_waiting: int = 64
+    # Rotating KV cache size (tokens); 0 keeps the whole context.
+    max_kv_size: int = 0
+    # Generate this many tokens once before /health turns ready.
+    warmup_tokens: int = 4
+
+
+class LoggingConfig(Base):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    # "auto": a console renderer on a terminal, JSON lines otherwise (launchd, systemd).
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class PipelineSpec(Base):
+    """Inline stages: each a table with ``type`` plus that stage's options, validated by the stage itself."""
+
+    stages: list[dict[str, Any]]
+
+
+class DaemonConfig(Base):
+    model: ModelConfig
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    logging: LoggingConfig = LoggingConfig()
+    # A pipeline name (a file under pipelines/), a path to a pipeline TOML file, or inline [[pipeline.stages]].
+    pipeline: str | PipelineSpec = "chat"

@@ -1,0 +1,125 @@
+"""The engine interface: submit a request, get a stream of token events, cancel.
+
+Pipeline stages (``prefill``, ``decode``) are thin clients of this interface, so engines can be swapped without
+touching the pipeline. Nothing here imports MLX: engines do, on their own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling settings. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """What a pipeline hands the engine: token ids in, at most ``max_tokens`` token ids out."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    prefill_chunk: int = 512
+
+
+class Token(msgspec.Struct, frozen=True):
+    """One generated token id (never a stop token)."""
+
+    token: int
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True):
+    """The last event of every stream. ``reason``: ``stop`` (a stop token), ``length``, ``cancelled``."""
+
+    reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """The engine could not serve this request; the stream ends here."""
+
+    message: str
+
+
+class Progress(msgspec.Struct, frozen=True):
+    """Prompt processing progress; lets streaming clients be kept alive during long prefills."""
+
+    num_processed: int
+    num_total: int
+
+
+EngineEvent = Token | Finished | Failed | Progress
+
+
+class RequestHandle:
+    """The event-loop side of one submitted request.
+
+    The engine thread calls :meth:`push`; the event loop iterates the handle. :meth:`cancel` asks the engine
+    (on its own thread) to abort the request and release its memory.
+    """
+
+    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self.done = False
+
+    def push(self, event: EngineEvent) -> None:
+        """Thread-safe: called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.cancel(self.request_id)
+
+    async def events(self, keepalive_s: float | None = None) -> AsyncIterator[EngineEvent | None]:
+        """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), keepalive_s)
+            except TimeoutError:
+                yield None
+                continue
+            if isinstance(event, Finished | Failed):
+                self.done = True
+                yield event
+                return
+            yield event
+
+
+class Engine(Protocol):
+    """What every engine provides. All MLX work happens on the engine's own thread."""
+
+    def start(self) -> None:
+        """Start the engine thread and warm up; returns when the engine is ready to serve."""
+
+    def stop(self) -> None:
+        """Abort everything and join the engine thread."""
+
+    def submit(self, request: EngineRequest) -> RequestHandle:
+        """Queue a request; raises ``Overloaded`` when the waiting queue is full. Call from the event loop."""
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request; safe to call from any thread, any number of times."""
+
+    def status(self) -> dict:
+        """A JSON-able snapshot: running and waiting requests, totals, memory."""

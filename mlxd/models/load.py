@@ -1,0 +1,129 @@
+"""Resolve a ``[model] source`` to an MLX model folder and load it with mlx-lm.
+
+Sources: a local MLX folder, a ``.gguf`` file (converted once into the cache), or ``embedded:smollm2-135m``
+(the default model shipped in a PyPI wheel). Hub ids fail with a clear message: mlxd never downloads models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.config.schema import ModelConfig
+from mlxd.errors import ModelLoadError
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLXD_CACHE_DIR") or Path.home() / ".cache" / "mlxd")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: Path
+    kind: str
+    context_length: int
+    dtype: str
+
+
+def resolve_source(source: str, base_dir: Path | None = None) -> Path:
+    """Return the MLX model folder for ``source``, converting GGUF files on first use."""
+    if source.startswith(EMBEDDED_PREFIX):
+        from mlxd.models.default_model import resolve_embedded
+
+        return resolve_embedded(source, cache_dir())
+    path = Path(source).expanduser()
+    if not path.is_absolute() and not path.exists() and base_dir is not None:
+        path = base_dir / path
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {source!r} not found")
+        from mlxd.models.gguf import ensure_converted
+
+        return ensure_converted(path, cache_dir() / "gguf")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not an MLX model folder: it has no config.json")
+        return path
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        raise ModelLoadError(
+            f"model source {source!r} looks like a hub id, but mlxd does not download models: "
+            "download the model folder yourself and give its local path as [model] source"
+        )
+    raise ModelLoadError(f"model source {source!r} not found (give an MLX folder, a .gguf file or embedded:NAME)")
+
+
+def detect_kind(folder: Path, requested: str) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    kind = "vision" if "vision_config" in config else "text"
+    if requested != "auto" and requested != kind:
+        raise ModelLoadError(f"{folder} is a {kind} model but [model] kind = {requested!r}")
+    return kind
+
+
+def choose_dtype(requested: str) -> str | None:
+    """``auto``: float32 on Linux CPU (OpenBLAS makes float32 matmuls fast; bf16/quantized gain nothing)."""
+    if requested != "auto":
+        return None if requested == "native" else requested
+    import mlx.core as mx
+
+    on_linux_cpu = sys.platform == "linux" and mx.default_device() == mx.cpu
+    return "float32" if on_linux_cpu else None
+
+
+def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
+    """Load the configured model and tokenizer. Raises ``ModelLoadError`` with a readable reason."""
+    folder = resolve_source(config.source, base_dir)
+    kind = detect_kind(folder, config.kind)
+    if kind == "vision":
+        raise ModelLoadError(f"{folder} is a vision-language model; serving those is not supported yet")
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tokenizer, model_config = mlx_lm_load(str(folder), return_config=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+    dtype = choose_dtype(config.dtype)
+    if dtype is not None:
+        model = dequantize_model(model)
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
+    if config.chat_template:
+        tokenizer.chat_template = _read_template(config.chat_template, base_dir)
+    context = config.context_length or int(model_config.get("max_position_embeddings") or 4096)
+    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model))
+
+
+def _read_template(value: str, base_dir: Path | None) -> str:
+    if "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None and not path.exists():
+        path = base_dir / path
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ModelLoadError(f"chat_template file {value!r} cannot be read: {e}") from e
+
+
+def _native_dtype(model: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    dtypes = {str(v.dtype) for _, v in tree_flatten(model.parameters())}
+    return ",".join(sorted(dtypes))
+
+
+def platform_summary() -> dict[str, str]:
+    import mlx.core as mx
+
+    return {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__}

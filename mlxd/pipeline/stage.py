@@ -1,0 +1,64 @@
+"""The stage contract.
+
+A stage has a light ``__init__(config)`` (its own validated ``Config`` struct), a heavy ``warm_up(ctx)``
+that takes what it needs from the loaded model, and two hooks that a request passes through in pipeline
+order: ``prepare(job)`` shapes the request (messages → prompt → engine request), ``stream(job, events)``
+transforms the response stream (engine tokens → text). Either hook may be left as the default pass-through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+
+from mlxd.config.schema import DaemonConfig
+from mlxd.engine.base import Engine
+from mlxd.pipeline.job import Job
+
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The options struct of a stage that takes none."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What stages may know of the served model, without touching MLX."""
+
+    name: str
+    context_length: int
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+    kind: str = "text"
+
+
+@dataclass(slots=True)
+class PipelineContext:
+    """Handed to every stage's ``warm_up``."""
+
+    config: DaemonConfig
+    model: ModelInfo
+    tokenizer: Any  # mlx_lm TokenizerWrapper (a Hugging Face tokenizer with a streaming detokenizer)
+    engine: Engine
+
+
+class Stage:
+    """Base class of built-in stages; third-party stages may subclass it or just follow the contract."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[msgspec.Struct]] = NoOptions
+
+    def __init__(self, config: msgspec.Struct) -> None:
+        self.config = config
+
+    def warm_up(self, ctx: PipelineContext) -> None:
+        """Load what the stage needs; called once, before the server reports ready."""
+
+    def prepare(self, job: Job) -> None:
+        """Shape the request in place. Raise ``RequestError`` for requests the stage cannot honour."""
+
+    def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Transform the response stream; the default passes it through unchanged."""
+        return events

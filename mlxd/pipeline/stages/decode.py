@@ -1,0 +1,40 @@
+"""``decode``: submit the engine request and relay its token stream; cancel it if the consumer leaves."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mlxd.engine.base import Failed, Finished, Progress
+from mlxd.errors import EngineError, PipelineError
+from mlxd.pipeline.job import Job, KeepAlive
+from mlxd.pipeline.stage import PipelineContext, Stage
+
+
+class Decode(Stage):
+    name = "decode"
+
+    def warm_up(self, ctx: PipelineContext) -> None:
+        self.engine = ctx.engine
+        self.keepalive_s = ctx.config.server.keepalive_s
+
+    async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        if job.engine_request is None:
+            raise PipelineError("decode needs an engine request: put a `prefill` stage before it")
+        handle = self.engine.submit(job.engine_request)
+        try:
+            # Accepted: lets the API send response headers before the first token exists.
+            yield KeepAlive()
+            async for event in handle.events(self.keepalive_s):
+                if event is None:
+                    yield KeepAlive()
+                elif isinstance(event, Progress):
+                    continue
+                elif isinstance(event, Failed):
+                    raise EngineError(f"generation failed: {event.message}")
+                else:
+                    yield event
+                    if isinstance(event, Finished):
+                        return
+        finally:
+            handle.cancel()

@@ -1,0 +1,136 @@
+"""``normalize``: make real agent traffic render with the model's chat template.
+
+- OpenAI ``developer`` role → ``system``; legacy ``function`` role → ``tool``.
+- List-of-parts content is joined into text (images are counted for the ``route`` stage).
+- Assistant tool-call ``arguments`` given as a JSON string become a dict, for templates that iterate them.
+- Consecutive same-role messages are merged when the template requires alternation.
+- A system message in mid-conversation stays in place where the template renders it there; otherwise it
+  becomes a clearly marked user turn. It is never moved to the front unless ``hoist_system`` is set, since
+  rewriting the start of the prompt defeats prefix caching.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from mlxd.errors import RequestError
+from mlxd.pipeline.job import Job
+from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+
+ROLE_ALIASES = {"developer": "system", "function": "tool"}
+MID_SYSTEM_PREFIX = "[System message]\n"
+
+
+class NormalizeConfig(NoOptions, frozen=True):
+    merge_consecutive: Literal["auto", "always", "never"] = "auto"
+    hoist_system: bool = False
+    part_separator: str = "\n"
+
+
+class Normalize(Stage):
+    name = "normalize"
+    Config = NormalizeConfig
+
+    def __init__(self, config: NormalizeConfig) -> None:
+        super().__init__(config)
+        self.requires_alternation = config.merge_consecutive == "always"
+        self.mid_system_in_place = True
+
+    def warm_up(self, ctx: PipelineContext) -> None:
+        if self.config.merge_consecutive == "auto":
+            self.requires_alternation = not _renders(ctx.tokenizer, _probe_consecutive())
+        marker = "MLXD-PROBE-7f3a"
+        self.mid_system_in_place = marker in (_render(ctx.tokenizer, _probe_mid_system(marker)) or "")
+
+    def prepare(self, job: Job) -> None:
+        if job.messages is None:
+            return
+        messages = [self._message(m, job) for m in job.messages]
+        messages = self._place_system(messages)
+        if self.requires_alternation:
+            messages = merge_consecutive(messages)
+        job.messages = messages
+
+    def _message(self, message: dict[str, Any], job: Job) -> dict[str, Any]:
+        out = {k: v for k, v in message.items() if v is not None}
+        out["role"] = ROLE_ALIASES.get(out["role"], out["role"])
+        content = out.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") or "" for p in content if p.get("type") in ("text", "input_text")]
+            job.num_images += sum(1 for p in content if "image" in p.get("type", ""))
+            out["content"] = self.config.part_separator.join(texts)
+        elif content is None:
+            out["content"] = ""
+        if "tool_calls" in out:
+            out["tool_calls"] = [_parse_arguments(call) for call in out["tool_calls"]]
+        return out
+
+    def _place_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        first_other = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head, rest = messages[:first_other], messages[first_other:]
+        if all(m["role"] != "system" for m in rest):
+            return messages
+        if self.config.hoist_system:
+            hoisted = head + [m for m in rest if m["role"] == "system"]
+            return merge_consecutive(hoisted) + [m for m in rest if m["role"] != "system"]
+        if self.mid_system_in_place:
+            return messages
+        marked = [
+            {"role": "user", "content": MID_SYSTEM_PREFIX + m["content"]} if m["role"] == "system" else m
+            for m in rest
+        ]
+        return head + marked
+
+
+def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RequestError(
+                f"tool call {function.get('name')!r}: `arguments` is not valid JSON ({e.msg})",
+                param="messages",
+            ) from e
+    return {**call, "function": function}
+
+
+def merge_consecutive(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge runs of same-role messages (tool results excepted: each answers its own call)."""
+    merged: list[dict[str, Any]] = []
+    for message in messages:
+        previous = merged[-1] if merged else None
+        if previous is None or previous["role"] != message["role"] or message["role"] == "tool":
+            merged.append(dict(message))
+            continue
+        texts = [t for t in (previous.get("content"), message.get("content")) if t]
+        previous["content"] = "\n\n".join(texts)
+        if message.get("tool_calls"):
+            previous["tool_calls"] = previous.get("tool_calls", []) + message["tool_calls"]
+    return merged
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that raises is exactly what the probe detects
+        return None
+
+
+def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
+    return _render(tokenizer, messages) is not None
+
+
+def _probe_consecutive() -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def _probe_mid_system(marker: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "system", "content": marker},
+        {"role": "user", "content": "c"},
+    ]

@@ -1,0 +1,56 @@
+"""``prefill``: check the prompt against the context and build the engine request (chunked prompt processing)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from mlxd.engine.base import EngineRequest
+from mlxd.errors import ContextLengthExceeded, RequestError
+from mlxd.pipeline.job import Job
+from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+
+
+class PrefillConfig(NoOptions, frozen=True):
+    # Prompt tokens per forward pass; smaller chunks let running streams interleave sooner.
+    chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 512
+
+
+class Prefill(Stage):
+    name = "prefill"
+    Config = PrefillConfig
+
+    def warm_up(self, ctx: PipelineContext) -> None:
+        self.context_length = ctx.model.context_length
+        self.default_max_tokens = ctx.config.model.sampling.max_tokens
+        self.eos_token_ids = ctx.model.eos_token_ids
+
+    def prepare(self, job: Job) -> None:
+        num_prompt = len(job.prompt_ids)
+        if num_prompt == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if num_prompt >= self.context_length:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_prompt} tokens; this model's context is {self.context_length} tokens",
+                param="messages",
+            )
+        room = self.context_length - num_prompt
+        if job.max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room)
+        elif job.max_tokens > room:
+            raise ContextLengthExceeded(
+                f"max_tokens={job.max_tokens} plus the prompt's {num_prompt} tokens exceeds the context of "
+                f"{self.context_length} tokens (at most {room} completion tokens fit)",
+                param="max_tokens",
+            )
+        else:
+            max_tokens = job.max_tokens
+        job.engine_request = EngineRequest(
+            request_id=job.request_id,
+            prompt=job.prompt_ids,
+            max_tokens=max_tokens,
+            sampling=job.sampling,
+            stop_token_ids=self.eos_token_ids,
+            prefill_chunk=self.config.chunk_size,
+        )

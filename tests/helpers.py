@@ -1,0 +1,120 @@
+"""Helpers shared by tests: configs for tiny models, an in-process app, a subprocess server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+from litestar.testing import TestClient
+
+from mlxd.cli import load_everything
+from mlxd.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT_PIPELINE = ROOT / "pipelines" / "chat.toml"
+
+
+def write_config(tmp: Path, model_dir: Path, *, pipeline: str | None = None, extra: str = "",
+                 model_extra: str = "", port: int = 8080) -> Path:
+    """A daemon config for a tiny model; greedy by default so outputs are comparable."""
+    pipeline_line = pipeline if pipeline is not None else f'pipeline = "{CHAT_PIPELINE}"'
+    text = f"""{pipeline_line}
+[server]
+port = {port}
+keepalive_s = 0.5
+[model]
+source = "{model_dir}"
+name = "tiny"
+aliases = ["gpt-*", "claude-*"]
+{model_extra}
+[model.sampling]
+temperature = 0.0
+max_tokens = 24
+[logging]
+format = "json"
+{extra}
+"""
+    path = tmp / "mlxd.toml"
+    path.write_text(text)
+    return path
+
+
+@contextlib.contextmanager
+def app_client(config_path: Path) -> Iterator[tuple[TestClient, Daemon]]:
+    """The Litestar app in-process, with the model loaded and warmed."""
+    from mlxd.api.app import create_app
+
+    config, pipeline = load_everything(config_path)
+    daemon = Daemon(config, pipeline, base_dir=config_path.parent)
+    with TestClient(create_app(daemon), timeout=60) as client:
+        daemon.wait_loaded(120)
+        assert daemon.ready, daemon.error
+        yield client, daemon
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_subprocess(config_path: Path, port: int, env: dict[str, str] | None = None,
+                     timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m mlxd --config ... --port`` as a real process; yields (base URL, process)."""
+    log_path = config_path.parent / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxd", "--config", str(config_path), "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, timeout, log_path)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise AssertionError(f"server not healthy after {timeout}s:\n{log_path.read_text()}")
+
+
+def sse_events(text: str) -> list[Any]:
+    """Decode the ``data:`` frames of an SSE body (``[DONE]`` kept as the string)."""
+    frames = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            frames.append(payload if payload == "[DONE]" else msgspec.json.decode(payload))
+    return frames
+
+
+def streamed_text(frames: list[Any]) -> str:
+    out = []
+    for frame in frames:
+        if isinstance(frame, dict):
+            for choice in frame.get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+    return "".join(out)
