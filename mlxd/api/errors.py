@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from litestar import Request, Response
 import msgspec
+from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from mlxd.api.schemas import ErrorBody, ErrorDetail

@@ -1,0 +1,71 @@
+"""The daemon as users run it: `python -m mlxd --config ...` in its own process, spoken to over real sockets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from mlxd.runtime.blas import find_openblas
+from tests.helpers import free_port, serve_subprocess, write_config
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    config = write_config(tmp, tiny_model_dir, port=port)
+    with serve_subprocess(config, port) as (base, proc):
+        yield base, proc, tmp / f"server-{port}.log"
+
+
+def log_lines(path: Path) -> list[dict]:
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+def test_openai_sdk_stream_equals_non_stream(server):
+    base, _, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    chunks = client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == whole.choices[0].message.content
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="unknown-model", messages=messages)
+
+
+def test_one_canonical_json_log_line_per_request(server):
+    base, _, log_path = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    reply = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
+    lines = [line for line in log_lines(log_path) if line.get("event") == "request"]
+    mine = [line for line in lines if line["request_id"] == reply.id]
+    assert len(mine) == 1
+    line = mine[0]
+    assert line["model"] == "tiny" and line["completion_tokens"] == reply.usage.completion_tokens
+    assert line["prompt_tokens"] == reply.usage.prompt_tokens and line["finish_reason"] == "length"
+    assert line["ttft_s"] > 0 and line["total_s"] >= line["ttft_s"] and line["level"] == "info"
+
+
+def test_openblas_is_mapped_into_the_serving_process(server):
+    if find_openblas() is None:
+        pytest.skip("OpenBLAS is not installed (Debian: apt-get install libopenblas0-pthread)")
+    _, proc, log_path = server
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libopenblas" in maps
+    ready = next(line for line in log_lines(log_path) if line.get("event") == "model_ready")
+    assert any("openblas" in lib for lib in ready["blas"]) and ready["dtype"] == "float32"
