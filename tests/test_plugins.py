@@ -83,3 +83,30 @@ def test_entry_point_stage_is_found_by_name(installed_plugin, tiny_model_dir, tm
     with app_client(config) as (client, _):
         text = content(client)
     assert text == text.upper()
+
+
+class Explode(Stage):
+    """Fails unexpectedly on requests that mention `boom`, before or during streaming."""
+
+    def prepare(self, job: Job) -> None:
+        if "boom" in job.messages[-1]["content"]:
+            raise RuntimeError("stage bug")
+
+    async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for event in events:
+            if "kaput" in job.messages[-1]["content"] and isinstance(event, TextDelta):
+                raise RuntimeError("stream bug")
+            yield event
+
+
+def test_a_failing_request_does_not_take_the_daemon_down(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, pipeline=inline_pipeline(
+        '[[pipeline.stages]]\ntype = "tests.test_plugins:Explode"\n'))
+    with app_client(config) as (client, daemon):
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+        response = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "boom"}]})
+        assert response.status_code == 500 and "stage bug" in response.json()["error"]["message"]
+        response = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "kaput"}]})
+        assert response.status_code == 500
+        assert content(client)
+        assert daemon.engine.status()["running"] == []
