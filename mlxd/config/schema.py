@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -47,13 +47,20 @@ class ModelConfig(Base):
 
 
 class EngineConfig(Base):
-    type: Literal["serial"] = "serial"
-    # Requests allowed to wait for the engine; beyond this new requests get 429.
-    max_waiting: int = 64
+    type: Literal["batched"] = "batched"
+    # Requests decoding together in one batch; more wait in the queue.
+    max_running: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # Requests allowed to wait for a running slot; beyond this new requests get 429 with Retry-After.
+    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # Tokens one engine step processes: one per decoding request, the rest for prompt chunks (at least one
+    # chunk a step). Smaller keeps running streams smoother while long prompts arrive.
+    step_token_budget: Annotated[int, msgspec.Meta(ge=1)] = 512
+    # The prompt chunk warm-up runs; match the prefill stage's chunk_size.
+    prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 512
     # Rotating KV cache size (tokens); 0 keeps the whole context.
-    max_kv_size: int = 0
-    # Generate this many tokens once before /health turns ready.
-    warmup_tokens: int = 4
+    max_kv_size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Decode steps per batch size during warm-up, before /health turns ready.
+    warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
 
 
 class LoggingConfig(Base):

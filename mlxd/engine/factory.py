@@ -9,7 +9,7 @@ from mlxd.engine.base import Engine
 
 
 def make_engine(config: EngineConfig, model: Any) -> Engine:
-    from mlxd.engine.serial import SerialEngine
+    from mlxd.engine.batched import BatchedEngine
 
-    engines = {"serial": SerialEngine}
+    engines = {"batched": BatchedEngine}
     return engines[config.type](model, config)

@@ -1,0 +1,156 @@
+"""The MLX side of the batching engine: per-request prompt processing and the batched decode step.
+
+Each request processes its prompt alone, in chunks, into a cache of its own (``make_prompt_cache``, exactly what
+``generate_step`` uses). When its prompt is in, its cache joins the :class:`DecodeBatch`, which advances every
+decoding request by one token per forward pass.
+
+The batch composes mlx-lm's cache protocol and nothing private: per layer, ``merge`` builds a left-padded batched
+cache (``BatchKVCache``, ``BatchRotatingKVCache``, ``ArraysCache`` for recurrent layers), ``extend`` adds a row,
+``filter`` drops rows and ``extract`` takes one back out. A batch of one keeps the request's own cache and calls the
+model exactly as ``generate_step`` does (no mask, no padding), so a lone stream runs at its speed.
+
+Rows carry their own cache offsets (positions), so rows that need their own positions or input embeddings (vision
+prompts) fit the same step: only their prompt processing differs, in :func:`process_prompt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxd.engine.base import SamplingParams
+from mlxd.engine.sampling import make_request_processors, make_request_sampler
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    """One request's sampling state: its sampler, logits processors and (when they need it) token history."""
+
+    request_id: str
+    sampler: Any
+    sampler_key: tuple
+    processors: list
+    history: mx.array | None = None
+    cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
+
+    @classmethod
+    def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int) -> Row:
+        key = (params.temperature, params.top_p, params.min_p, params.top_k)
+        return cls(
+            request_id=request_id,
+            sampler=make_request_sampler(params),
+            sampler_key=key,
+            processors=make_request_processors(params),
+            cache=make_prompt_cache(model, max_kv_size=max_kv_size or None),
+        )
+
+    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """Apply this row's logits processors; ``tokens`` are the new input tokens (added to the history)."""
+        if not self.processors:
+            return logits
+        self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
+        for processor in self.processors:
+            logits = processor(self.history, logits)
+        return logits
+
+
+def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool) -> mx.array | None:
+    """Run one prompt chunk through the model into the row's cache.
+
+    For the last chunk, sample the first generated token and return it (a lazy ``(1,)`` array); otherwise evaluate
+    the cache and return ``None``.
+    """
+    inputs = mx.array(tokens, dtype=mx.uint32)
+    logits = model(inputs[None], cache=row.cache)
+    if not last:
+        if row.processors:
+            row.history = inputs if row.history is None else mx.concatenate([row.history, inputs])
+        mx.eval([c.state for c in row.cache])
+        return None
+    logits = row.process(inputs, logits[:, -1, :])
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    first = row.sampler(logprobs)
+    mx.async_eval(first)
+    return first
+
+
+class DecodeBatch:
+    """The decoding requests, advanced together by :meth:`step`, one token each."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.rows: list[Row] = []
+        self.cache: list[Any] = []
+        # The tokens each row feeds into the next forward pass: sampled, not necessarily evaluated yet.
+        self.inputs: mx.array | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row.request_id for row in self.rows]
+
+    def add(self, row: Row, first_token: mx.array) -> None:
+        """Join a row whose prompt is processed; ``first_token`` is what :func:`process_prompt` sampled."""
+        if not self.rows:
+            self.cache = row.cache
+            self.inputs = first_token.reshape(1)
+        elif len(self.rows) == 1:
+            self.cache = [mine.merge([mine, theirs]) for mine, theirs in zip(self.cache, row.cache, strict=True)]
+            self.inputs = mx.concatenate([self.inputs, first_token.reshape(1)])
+        else:
+            for batched, theirs in zip(self.cache, row.cache, strict=True):
+                batched.extend(theirs.merge([theirs]))
+            self.inputs = mx.concatenate([self.inputs, first_token.reshape(1)])
+        row.cache = []
+        self.rows.append(row)
+
+    def remove(self, request_ids: set[str]) -> None:
+        """Drop rows (finished or cancelled); their cache memory is released with them."""
+        keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.inputs = [], None
+            return
+        if len(keep) == 1:
+            # Back to a plain cache: the lone stream runs unmasked again.
+            self.cache = [c.extract(keep[0]) for c in self.cache]
+        else:
+            for c in self.cache:
+                c.filter(mx.array(keep))
+        self.inputs = self.inputs[mx.array(keep)]
+
+    def step(self) -> list[int]:
+        """Dispatch the next forward pass, then return the tokens fed into it (one per row, in row order).
+
+        Pipelined like ``generate_step``: the returned tokens were sampled by the previous step (or by prompt
+        processing), and evaluating them overlaps with the computation just dispatched.
+        """
+        inputs = self.inputs
+        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        logits = self._process(inputs, logits)
+        if len(self.rows) == 1:
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self.inputs = self._sample(logprobs)
+        mx.async_eval(self.inputs)
+        return inputs.tolist()
+
+    def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
+        if not any(row.processors for row in self.rows):
+            return logits
+        rows = [row.process(inputs[i : i + 1], logits[i : i + 1]) for i, row in enumerate(self.rows)]
+        return mx.concatenate(rows, axis=0)
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        first = self.rows[0]
+        if all(row.sampler_key == first.sampler_key for row in self.rows):
+            return first.sampler(logprobs)
+        return mx.concatenate([row.sampler(logprobs[i : i + 1]) for i, row in enumerate(self.rows)])

@@ -1,0 +1,269 @@
+"""The batching engine: continuous batching on one engine thread.
+
+Every MLX call happens on the engine thread. The event loop only puts commands in the inbox (submit, cancel, stop)
+and reads events from each request's :class:`RequestHandle`; the engine thread applies the commands between steps,
+so a cancelled request leaves the batch within one prompt chunk or one decode step.
+
+One :meth:`BatchedEngine.step` is: schedule (:class:`Scheduler`, plain Python) → run the batch (prompt chunks, then
+one decode step for every decoding request) → post-process (emit tokens, finish requests, free their rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
+from mlxd.engine.batch import DecodeBatch, Row, process_prompt
+from mlxd.engine.scheduler import Scheduler, SequenceState
+from mlxd.errors import Overloaded
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.engine")
+
+
+@dataclass(slots=True, eq=False)
+class Submitted:
+    """A request the engine has taken on: what was asked, where its events go, what the scheduler tracks."""
+
+    request: EngineRequest
+    handle: RequestHandle
+    state: SequenceState
+
+
+class BatchedEngine:
+    """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
+
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.scheduler = Scheduler(
+            max_running=config.max_running,
+            max_waiting=config.max_waiting,
+            step_token_budget=config.step_token_budget,
+        )
+        self.batch = DecodeBatch(model)
+        self._requests: dict[str, Submitted] = {}
+        self._prefilling: dict[str, Row] = {}  # rows whose prompt is still going in, each with its own cache
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
+        self._lock = threading.Lock()
+        self._num_pending_submits = 0
+        self.totals = {
+            "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
+            "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
+        }
+
+    # ---- event-loop side ----
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def submit(self, request: EngineRequest) -> RequestHandle:
+        with self._lock:
+            if self._num_pending_submits + self.scheduler.num_waiting >= self.config.max_waiting:
+                raise Overloaded(f"{self.config.max_waiting} requests are already waiting; retry shortly")
+            self._num_pending_submits += 1
+        handle = RequestHandle(request.request_id, self, asyncio.get_running_loop())
+        state = SequenceState(
+            request_id=request.request_id,
+            num_prompt_tokens=len(request.prompt),
+            prefill_chunk=request.prefill_chunk,
+            max_tokens=request.max_tokens,
+        )
+        self._inbox.put(("submit", Submitted(request, handle, state)))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def status(self) -> dict[str, Any]:
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        return {
+            "running": [s.snapshot() for s in running],
+            "waiting": [s.snapshot() for s in waiting],
+            "limits": {
+                "max_running": self.config.max_running,
+                "max_waiting": self.config.max_waiting,
+                "step_token_budget": self.config.step_token_budget,
+            },
+            "totals": dict(self.totals),
+            "memory": {
+                "active_bytes": mx.get_active_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+                "cache_bytes": mx.get_cache_memory(),
+            },
+        }
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        try:
+            self._warm_up()
+        except Exception as e:  # noqa: BLE001 - handed to start(), which re-raises it
+            self._startup_error = e
+        self._ready.set()
+        if self._startup_error is not None:
+            return
+        while self._apply_inbox(block=not self.scheduler.has_work):
+            if self.scheduler.has_work:
+                self.step()
+            else:
+                mx.clear_cache()  # idle: give the freed buffers back
+
+    def _warm_up(self) -> None:
+        """Run the shapes serving will use (a full prompt chunk; decode batches of 1, 2, 4, … max_running):
+        MLX's GPU backends compile kernels per shape, and the first request should not pay for it."""
+        greedy, chunk = SamplingParams(), self.config.prefill_chunk
+        row = Row.for_request("warm-up", greedy, self.model, self.config.max_kv_size)
+        process_prompt(self.model, row, [1] * chunk, last=False)
+        sizes = sorted({min(1 << i, self.config.max_running) for i in range(self.config.max_running.bit_length())})
+        for size in sizes:
+            batch = DecodeBatch(self.model)
+            for i in range(size):
+                row = Row.for_request(f"warm-up-{i}", greedy, self.model, self.config.max_kv_size)
+                batch.add(row, process_prompt(self.model, row, [1, 2, 3, 4], last=True))
+            for _ in range(max(1, self.config.warmup_tokens)):
+                batch.step()
+        mx.clear_cache()
+
+    def _apply_inbox(self, block: bool) -> bool:
+        """Apply queued commands; return False once asked to stop."""
+        while True:
+            try:
+                command, arg = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command == "stop":
+                self._abort_all()
+                return False
+            if command == "submit":
+                self._accept(arg)
+            elif command == "cancel":
+                self._cancel(arg)
+
+    def _accept(self, submitted: Submitted) -> None:
+        with self._lock:
+            self._num_pending_submits -= 1
+            self.scheduler.add(submitted.state)
+        self._requests[submitted.request.request_id] = submitted
+
+    def step(self) -> None:
+        """One engine step: schedule → run the batch → post-process."""
+        plan = self.scheduler.schedule()
+        for state, num_tokens in plan.prefill:
+            self._prefill(self._requests[state.request_id], num_tokens)
+        tokens = self._decode()
+        self._post_process(tokens)
+        self.totals["num_steps"] += 1
+
+    def _prefill(self, submitted: Submitted, num_tokens: int) -> None:
+        """Process one prompt chunk; a request whose prompt is complete joins the decode batch."""
+        request, state = submitted.request, submitted.state
+        row = self._prefilling.get(request.request_id) or self._new_row(request)
+        start = state.num_prefilled
+        try:
+            first = process_prompt(self.model, row, request.prompt[start : start + num_tokens],
+                                   last=start + num_tokens == len(request.prompt))
+        except (ValueError, RuntimeError) as e:
+            self._fail(request.request_id, e)
+            return
+        self.scheduler.on_prefilled(state, num_tokens)
+        submitted.handle.push(Progress(state.num_prefilled, state.num_prompt_tokens))
+        if first is not None:
+            del self._prefilling[request.request_id]
+            self.batch.add(row, first)
+
+    def _new_row(self, request: EngineRequest) -> Row:
+        if request.sampling.seed is not None:
+            mx.random.seed(request.sampling.seed)
+        row = Row.for_request(request.request_id, request.sampling, self.model, self.config.max_kv_size)
+        self._prefilling[request.request_id] = row
+        self.totals["num_requests"] += 1
+        self.totals["num_prompt_tokens"] += len(request.prompt)
+        return row
+
+    def _decode(self) -> list[int]:
+        if not len(self.batch):
+            return []
+        try:
+            return self.batch.step()
+        except (ValueError, RuntimeError) as e:
+            for request_id in self.batch.request_ids:
+                self._fail(request_id, e)
+            return []
+
+    def _post_process(self, tokens: list[int]) -> None:
+        """Emit each row's token; finish the rows that hit a stop token or their ``max_tokens``."""
+        finished: dict[str, str] = {}
+        for request_id, token in zip(self.batch.request_ids, tokens, strict=True):
+            reason = self._emit(self._requests[request_id], token)
+            if reason is not None:
+                finished[request_id] = reason
+        if finished:
+            self.batch.remove(set(finished))
+            for request_id, reason in finished.items():
+                self._finish(request_id, reason)
+
+    def _emit(self, submitted: Submitted, token: int) -> str | None:
+        state = submitted.state
+        if state.first_token_at is None:
+            state.first_token_at = time.monotonic()
+        if token in submitted.request.stop_token_ids:
+            return "stop"
+        state.num_generated += 1
+        self.totals["num_generated_tokens"] += 1
+        submitted.handle.push(Token(token))
+        return "length" if state.num_generated >= state.max_tokens else None
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        submitted = self._release(request_id)
+        if submitted is not None:
+            submitted.handle.push(Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt)))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        log.error("request_failed", request_id=request_id, error=str(error))
+        self.batch.remove({request_id})
+        submitted = self._release(request_id)
+        if submitted is not None:
+            self.totals["num_failed"] += 1
+            submitted.handle.push(Failed(str(error)))
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id not in self._requests:
+            return  # already finished: cancel is idempotent
+        self.batch.remove({request_id})
+        self.totals["num_cancelled"] += 1
+        self._finish(request_id, "cancelled")
+
+    def _release(self, request_id: str) -> Submitted | None:
+        """Forget a request everywhere: scheduler queues, prompt rows, the request table."""
+        self.scheduler.remove(request_id)
+        self._prefilling.pop(request_id, None)
+        return self._requests.pop(request_id, None)
+
+    def _abort_all(self) -> None:
+        for submitted in self._requests.values():
+            submitted.handle.push(Failed("the server is shutting down"))
+        self.batch.remove(set(self._requests))
+        self._requests.clear()
+        self._prefilling.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()

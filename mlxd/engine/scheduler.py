@@ -1,0 +1,157 @@
+"""The scheduler: which requests run in the next engine step, and how much of each prompt they process.
+
+Plain Python over token counts. The engine keeps each request's MLX state (caches, samplers) in its own store,
+keyed by request id; this module never imports MLX, so it is unit-tested without a model.
+
+A request waits in ``waiting`` until a running slot is free, then runs in two phases: ``prefill`` (its prompt, in
+chunks of its ``prefill_chunk`` tokens) and ``decode`` (one token per step, batched with every other decoding
+request). Each step spends at most ``step_token_budget`` tokens: every decoding request gets its token, prompt chunks
+take what is left (the first chunk of a step always goes, so a prompt is never starved by a full decode batch).
+Chunks are never split by the budget, so an n-token prompt takes exactly ceil(n / chunk) forward passes. Nothing is
+preempted: KV memory grows with the running sequences, bounded by ``max_running``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Phase = Literal["waiting", "prefill", "decode"]
+
+
+@dataclass(slots=True, eq=False)
+class SequenceState:
+    """What the scheduler knows about one request: counts and timings, no tensors."""
+
+    request_id: str
+    num_prompt_tokens: int
+    prefill_chunk: int
+    max_tokens: int
+    phase: Phase = "waiting"
+    num_prefilled: int = 0
+    num_generated: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def num_prompt_remaining(self) -> int:
+        return self.num_prompt_tokens - self.num_prefilled
+
+    def next_chunk(self) -> int:
+        return min(self.prefill_chunk, self.num_prompt_remaining)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON-able view ``GET /v1/status`` shows for this request."""
+        now = time.monotonic()
+        first = self.first_token_at
+        elapsed = now - first if first is not None else 0.0
+        return {
+            "request_id": self.request_id,
+            "phase": self.phase,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_prefilled_tokens": self.num_prefilled,
+            "num_generated_tokens": self.num_generated,
+            "tokens_per_s": round((self.num_generated - 1) / elapsed, 2) if elapsed > 0 else None,
+            "ttft_s": round(first - self.submitted_at, 4) if first is not None else None,
+            "age_s": round(now - self.submitted_at, 3),
+        }
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's work: prompt chunks ``(sequence, num_tokens)`` and the sequences that decode one token."""
+
+    prefill: list[tuple[SequenceState, int]]
+    decode: list[SequenceState]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Owns the ``waiting`` and ``running`` queues; :meth:`schedule` plans one step."""
+
+    def __init__(self, *, max_running: int, max_waiting: int, step_token_budget: int) -> None:
+        if min(max_running, max_waiting, step_token_budget) < 1:
+            raise ValueError("max_running, max_waiting and step_token_budget must be at least 1")
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.step_token_budget = step_token_budget
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def can_add(self) -> bool:
+        return len(self.waiting) < self.max_waiting
+
+    def add(self, sequence: SequenceState) -> None:
+        """Queue a request; the caller checks :meth:`can_add` first (the engine answers 429 otherwise)."""
+        if not self.can_add():
+            raise OverflowError(f"{self.max_waiting} requests are already waiting")
+        sequence.phase = "waiting"
+        self.waiting.append(sequence)
+
+    def can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_running
+
+    def admit(self) -> SequenceState:
+        sequence = self.waiting.popleft()
+        sequence.phase = "prefill"
+        self.running.append(sequence)
+        return sequence
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: every decoding sequence, then prompt chunks within the token budget.
+
+        Prompts already started go first, in arrival order; then waiting requests are admitted while running
+        slots and budget remain.
+        """
+        decode = [s for s in self.running if s.phase == "decode"]
+        budget = self.step_token_budget - len(decode)
+        prefill: list[tuple[SequenceState, int]] = []
+        started = [s for s in self.running if s.phase == "prefill"]
+        while started or self.can_admit():
+            sequence = started[0] if started else self.waiting[0]
+            num_tokens = sequence.next_chunk()
+            if prefill and num_tokens > budget:
+                break
+            if started:
+                started.pop(0)
+            else:
+                self.admit()
+            prefill.append((sequence, num_tokens))
+            budget -= num_tokens
+        return StepPlan(prefill, decode)
+
+    def on_prefilled(self, sequence: SequenceState, num_tokens: int) -> None:
+        """Record a processed chunk; the sequence decodes once its whole prompt is in."""
+        sequence.num_prefilled += num_tokens
+        if sequence.num_prompt_remaining == 0:
+            sequence.phase = "decode"
+
+    def remove(self, request_id: str) -> SequenceState | None:
+        """Take a request out of whichever queue holds it (finished, cancelled or failed)."""
+        for queue in (self.running, self.waiting):
+            for sequence in queue:
+                if sequence.request_id == request_id:
+                    queue.remove(sequence)
+                    return sequence
+        return None
