@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Controller, get, post
+from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
@@ -50,7 +50,7 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
-        self, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon]
+        self, request: Request, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon]
     ) -> ChatCompletion | EventStream:
         """Chat completion, streaming (SSE) or not, in the OpenAI format."""
         daemon.require_ready()
@@ -59,7 +59,7 @@ class OpenAIController(Controller):
         events, trace = await respond.start(daemon.pipeline, job, "chat")
         created = int(time.time())
         if not data.stream:
-            text, done = await respond.collect(events, trace)
+            text, done = await respond.collect(events, trace, request.receive)
             message = AssistantMessage(content=text)
             choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
             return ChatCompletion(job.request_id, created, model, [choice], respond.usage_of(done))
@@ -79,7 +79,9 @@ class OpenAIController(Controller):
         return EventStream(frames)
 
     @post("/completions", status_code=200)
-    async def completions(self, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon]) -> Completion | EventStream:
+    async def completions(
+        self, request: Request, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon]
+    ) -> Completion | EventStream:
         """Text completion of a raw prompt (no chat template)."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
@@ -87,7 +89,7 @@ class OpenAIController(Controller):
         events, trace = await respond.start(daemon.pipeline, job, "completions")
         created = int(time.time())
         if not data.stream:
-            text, done = await respond.collect(events, trace)
+            text, done = await respond.collect(events, trace, request.receive)
             choice = CompletionChoice(index=0, text=text, finish_reason=done.finish_reason)
             return Completion(job.request_id, created, model, [choice], respond.usage_of(done))
 

@@ -6,6 +6,8 @@ the pipeline's stream, which cancels the engine request.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -14,6 +16,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from litestar.types import Receive
 
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.errors import MlxdError, PipelineError
@@ -92,25 +95,59 @@ async def _prepend(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]
             yield event
 
 
-async def collect(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
-    """Drain the stream into (text, Done) for a non-streaming response."""
-    parts: list[str] = []
+class ClientDisconnected(MlxdError):
+    """The client closed the connection before its non-streaming response was ready."""
+
+    status = 499
+    type = "client_disconnected"
+
+
+async def collect(events: AsyncIterator[Any], trace: Trace, receive: Receive | None = None) -> tuple[str, Done]:
+    """Drain the stream into (text, Done) for a non-streaming response.
+
+    With the request's ASGI ``receive`` channel, a client that disconnects while waiting aborts the request at
+    once (closing the stream cancels the engine request) and :class:`ClientDisconnected` is raised.
+    """
     try:
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    trace.first_token = trace.first_token or time.monotonic()
-                    parts.append(event.text)
-                elif isinstance(event, Done):
-                    trace.done = event
-        if trace.done is None:
-            raise PipelineError("the pipeline ended without a final event (is `detokenize` last?)")
-        return "".join(parts), trace.done
+        if receive is None:
+            return await _drain(events, trace)
+        drain = asyncio.ensure_future(_drain(events, trace))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({drain, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not drain.done():
+                drain.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drain
+                raise ClientDisconnected("the client disconnected before the response was ready")
+        return drain.result()
     except BaseException as e:
         trace.outcome = _outcome(e)
         raise
     finally:
         trace.log()
+
+
+async def _drain(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
+    parts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextDelta):
+                trace.first_token = trace.first_token or time.monotonic()
+                parts.append(event.text)
+            elif isinstance(event, Done):
+                trace.done = event
+    if trace.done is None:
+        raise PipelineError("the pipeline ended without a final event (is `detokenize` last?)")
+    return "".join(parts), trace.done
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the ASGI server reports ``http.disconnect`` (the body was already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def stream_sse(
@@ -147,8 +184,10 @@ async def stream_sse(
 
 
 def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, ClientDisconnected | GeneratorExit | OSError | asyncio.CancelledError):
+        return "client disconnected"
+    if type(exc).__name__ == "ClientDisconnect":
+        return "client disconnected"
     if isinstance(exc, MlxdError):
         return f"error {exc.status}: {exc.message}"
-    if isinstance(exc, GeneratorExit | OSError) or type(exc).__name__ in ("CancelledError", "ClientDisconnect"):
-        return "client disconnected"
     return f"error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,135 @@
+"""The scheduler alone: queues, caps, chunked prompts and the per-step token budget; no model, no MLX."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mlxd.engine.scheduler import Scheduler, SequenceState
+
+
+def seq(name: str, num_prompt: int, chunk: int = 8, max_tokens: int = 16) -> SequenceState:
+    return SequenceState(request_id=name, num_prompt_tokens=num_prompt, prefill_chunk=chunk, max_tokens=max_tokens)
+
+
+def run_prompt(scheduler: Scheduler, limit: int = 100) -> list[list[tuple[str, int]]]:
+    """Schedule steps until no prompt is left, applying each plan; returns the prefill part of every plan."""
+    plans = []
+    for _ in range(limit):
+        plan = scheduler.schedule()
+        if not plan.prefill:
+            return plans
+        plans.append([(s.request_id, n) for s, n in plan.prefill])
+        for sequence, num_tokens in plan.prefill:
+            scheduler.on_prefilled(sequence, num_tokens)
+    raise AssertionError("prompts never finished")
+
+
+def test_scheduler_imports_no_mlx():
+    code = "import sys, mlxd.engine.scheduler; sys.exit('mlx.core' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize(("num_prompt", "chunk"), [(1, 8), (8, 8), (9, 8), (37, 8), (100, 512)])
+def test_a_prompt_takes_ceil_n_over_c_chunks(num_prompt, chunk):
+    scheduler = Scheduler(max_running=4, max_waiting=4, step_token_budget=10_000)
+    scheduler.add(seq("a", num_prompt, chunk))
+    plans = run_prompt(scheduler)
+    assert len(plans) == math.ceil(num_prompt / chunk)
+    assert sum(n for plan in plans for _, n in plan) == num_prompt
+    assert all(n == chunk for plan in plans[:-1] for _, n in plan)
+    assert scheduler.running[0].phase == "decode"
+
+
+def test_running_is_capped_and_the_rest_waits_in_order():
+    scheduler = Scheduler(max_running=2, max_waiting=8, step_token_budget=1000)
+    for name in "abcd":
+        scheduler.add(seq(name, 4))
+    plan = scheduler.schedule()
+    assert [s.request_id for s, _ in plan.prefill] == ["a", "b"]
+    assert [s.request_id for s in scheduler.waiting] == ["c", "d"]
+    assert scheduler.num_running == 2
+    scheduler.remove("a")
+    plan = scheduler.schedule()
+    # b's prompt was planned but not yet applied, so it is planned again; c takes a's slot.
+    assert [s.request_id for s, _ in plan.prefill] == ["b", "c"]
+
+
+def test_waiting_cap():
+    scheduler = Scheduler(max_running=1, max_waiting=2, step_token_budget=100)
+    scheduler.add(seq("a", 4))
+    scheduler.add(seq("b", 4))
+    assert not scheduler.can_add()
+    with pytest.raises(OverflowError):
+        scheduler.add(seq("c", 4))
+    scheduler.schedule()  # admits a: a waiting place frees up
+    assert scheduler.can_add()
+
+
+def test_decode_rows_spend_the_budget_and_one_chunk_always_goes():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=20)
+    for name in "abcde":
+        scheduler.add(seq(name, 1, chunk=8))
+    for sequence, num_tokens in scheduler.schedule().prefill:
+        scheduler.on_prefilled(sequence, num_tokens)
+    assert all(s.phase == "decode" for s in scheduler.running)
+    scheduler.add(seq("long", 100, chunk=8))
+    scheduler.add(seq("other", 100, chunk=8))
+    plan = scheduler.schedule()
+    # 5 decode tokens leave 15: one chunk of 8 fits, a second does not.
+    assert len(plan.decode) == 5
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 8)]
+    assert plan.num_tokens == 13
+    tight = Scheduler(max_running=8, max_waiting=8, step_token_budget=3)
+    for name in "abcde":
+        tight.add(seq(name, 1, chunk=8))
+    run_prompt(tight)
+    tight.add(seq("long", 100, chunk=8))
+    plan = tight.schedule()
+    assert len(plan.decode) == 5 and [n for _, n in plan.prefill] == [8]  # never starved
+
+
+def test_a_long_prompt_interleaves_with_decode():
+    scheduler = Scheduler(max_running=4, max_waiting=4, step_token_budget=9)
+    scheduler.add(seq("a", 3, chunk=8))
+    plan = scheduler.schedule()
+    scheduler.on_prefilled(*plan.prefill[0])
+    scheduler.add(seq("long", 40, chunk=8))
+    for _ in range(5):
+        plan = scheduler.schedule()
+        assert [s.request_id for s in plan.decode][:1] == ["a"]
+        assert [(s.request_id, n) for s, n in plan.prefill] == [("long", 8)]
+        scheduler.on_prefilled(*plan.prefill[0])
+    plan = scheduler.schedule()
+    assert [s.request_id for s in plan.decode] == ["a", "long"] and not plan.prefill
+
+
+def test_started_prompts_go_before_new_admissions():
+    scheduler = Scheduler(max_running=4, max_waiting=4, step_token_budget=8)
+    scheduler.add(seq("a", 16, chunk=8))
+    scheduler.on_prefilled(*scheduler.schedule().prefill[0])
+    scheduler.add(seq("b", 16, chunk=8))
+    plan = scheduler.schedule()
+    assert [s.request_id for s, _ in plan.prefill] == ["a"]
+    assert [s.request_id for s in scheduler.waiting] == ["b"]
+
+
+def test_remove_from_either_queue_and_snapshot():
+    scheduler = Scheduler(max_running=1, max_waiting=4, step_token_budget=100)
+    scheduler.add(seq("a", 4))
+    scheduler.add(seq("b", 4))
+    scheduler.schedule()
+    assert scheduler.running[0].snapshot()["phase"] == "prefill"
+    assert scheduler.waiting[0].snapshot()["phase"] == "waiting"
+    assert scheduler.remove("b").request_id == "b"
+    assert scheduler.remove("a").request_id == "a"
+    assert scheduler.remove("a") is None
+    assert not scheduler.has_work
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        Scheduler(max_running=0, max_waiting=1, step_token_budget=1)
