@@ -1,0 +1,157 @@
+"""The prefix cache: a token index and a snapshot store behind ``lookup`` and ``insert``.
+
+Engine-agnostic. The engine asks ``lookup(prompt)`` before prefill and continues from the returned layers at token
+``num_cached``; it calls ``insert(tokens, cache)`` whenever its cache holds exactly ``tokens`` and that state is
+worth keeping: at prefill chunk boundaries and right before the last prompt token is processed (see
+``checkpoint_length``). Whether a hit can reuse a longer or diverging entry depends on the cache being trimmable;
+recurrent (hybrid) models hit through snapshots taken at positions their prompts pass through.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mlxd.cache.index import PrefixIndex
+from mlxd.cache.store import SnapshotStore, take_snapshot
+
+HitKind = Literal["exact", "prefix", "longer", "diverged", "miss"]
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What ``lookup`` found: cache layers holding the prompt's first ``num_cached`` tokens, or a miss.
+
+    ``cache`` is None on a miss (``num_cached == 0``); otherwise it is the caller's own to extend in place.
+    """
+
+    cache: list[Any] | None
+    num_cached: int
+    kind: HitKind
+
+
+MISS = Hit(None, 0, "miss")
+
+
+def checkpoint_length(num_prompt_tokens: int) -> int:
+    """Where to snapshot a prompt: all tokens but the last, the state a prefill reaches before producing logits.
+
+    That state serves both the next turn of a conversation (which extends the prompt) and an exact resend of
+    the same prompt, even for caches that cannot be trimmed; a snapshot of the whole prompt serves only the first.
+    """
+    return max(0, num_prompt_tokens - 1)
+
+
+def _as_tokens(tokens: Sequence[int] | Any) -> tuple[int, ...]:
+    if hasattr(tokens, "tolist"):  # an mx.array or numpy array
+        tokens = tokens.tolist()
+    return tuple(int(t) for t in tokens)
+
+
+def _check_holds(cache: Sequence[Any], num_tokens: int) -> None:
+    """Refuse a cache whose position-tracking layers do not hold exactly ``num_tokens`` tokens."""
+    for layer in cache:
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int) and offset != num_tokens:
+            raise ValueError(f"a cache layer holds {offset} tokens but {num_tokens} tokens were given")
+
+
+class PrefixCache:
+    """Reusable prompt state for one model, within ``budget_bytes`` of snapshots. Thread-safe.
+
+    ``lookup`` never returns a state holding tokens the prompt lacks, and always leaves at least one prompt
+    token for the model to process. ``insert`` stores an independent snapshot; strict prefixes that a longer
+    trimmable entry can stand in for are dropped, and least recently used entries are evicted to fit the budget.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._index = PrefixIndex()
+        self._store = SnapshotStore(budget_bytes)
+        self._lock = threading.Lock()
+        self._hits: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+
+    def lookup(self, tokens: Sequence[int] | Any) -> Hit:
+        """The longest reusable state for ``tokens``, ready to continue from token ``num_cached``."""
+        tokens = _as_tokens(tokens)
+        with self._lock:
+            match = self._index.match(tokens)
+            if match is None:
+                self._counts["num_misses"] += 1
+                return MISS
+            cache = self._store.checkout(match.entry_id, match.num_to_trim)
+            self._index.touch(match.entry_id)
+            self._hits[match.kind] += 1
+            self._counts["num_tokens_reused"] += match.num_tokens
+        return Hit(cache, match.num_tokens, match.kind)
+
+    def insert(self, tokens: Sequence[int] | Any, cache: Sequence[Any]) -> bool:
+        """Keep a snapshot of ``cache``, whose layers hold exactly ``tokens`` (batch size 1, evaluated).
+
+        The caller may go on extending ``cache``. Returns False when nothing new was stored: the tokens are
+        already covered (an equal entry, or a longer trimmable one that can stand in), or the snapshot is larger
+        than the budget or than what eviction can free.
+        """
+        tokens = _as_tokens(tokens)
+        if not tokens or not cache:
+            return False
+        _check_holds(cache, len(tokens))
+        with self._lock:
+            covering = self._index.find(tokens)
+            if covering is None:
+                covering = self._index.covering(tokens)
+            if covering is not None:
+                self._index.touch(covering)
+                return False
+        snapshot = take_snapshot(cache)  # outside the lock: it may wait for the arrays to be evaluated
+        with self._lock:
+            return self._put(tokens, snapshot)
+
+    def _put(self, tokens: tuple[int, ...], snapshot: Any) -> bool:
+        if snapshot.num_bytes > self._store.budget_bytes or self._index.find(tokens) is not None:
+            self._counts["num_rejected"] += 1
+            return False
+        entry_id = self._index.add(tokens, trimmable=snapshot.trimmable)
+        self._index.acquire(entry_id)  # not a victim of its own insertion
+        dominated = self._index.strict_prefixes(tokens) if snapshot.trimmable else []
+        for victim in dominated:
+            self._drop(victim)
+        stored, evicted = self._store.put(entry_id, snapshot, self._index.victims())
+        self._index.release(entry_id)
+        for victim in evicted:
+            self._index.remove(victim)
+        if not stored:
+            self._index.remove(entry_id)
+            self._counts["num_rejected"] += 1
+            return False
+        self._counts["num_inserts"] += 1
+        self._counts["num_dominated_dropped"] += len(dominated)
+        self._counts["num_evictions"] += len(evicted)
+        return True
+
+    def _drop(self, entry_id: int) -> None:
+        self._index.remove(entry_id)
+        if entry_id in self._store:
+            self._store.pop(entry_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Entries, bytes, budget, hits by kind, misses, tokens reused and insert/evict counters."""
+        with self._lock:
+            return {
+                "num_entries": len(self._index),
+                "num_bytes": self._store.num_bytes,
+                "budget_bytes": self._store.budget_bytes,
+                "hits": {kind: self._hits[kind] for kind in ("exact", "prefix", "longer", "diverged")},
+                "num_hits": sum(self._hits.values()),
+                **{k: self._counts[k] for k in ("num_misses", "num_tokens_reused", "num_inserts",
+                                                "num_dominated_dropped", "num_evictions", "num_rejected")},
+            }
+
+    def clear(self) -> None:
+        """Drop every entry (counters are kept)."""
+        with self._lock:
+            self._index.clear()
+            self._store.clear()
