@@ -1,8 +1,9 @@
 """The prefix cache with real (tiny, float32) models: a hit yields exactly the tokens of a cold run.
 
 ``serve`` below plays the engine: look the prompt up, prefill the rest in chunks with a snapshot at every chunk
-boundary and at ``checkpoint_length`` (all but the last prompt token), then decode greedily. A counting wrapper
-around the model checks that a k-token hit makes the model process exactly n - k prompt tokens.
+boundary and at ``checkpoint_length`` (all but the last prompt token), decode greedily, and snapshot the finished
+request (prompt and reply). A counting wrapper around the model checks that a k-token hit makes the model process
+exactly n - k prompt tokens.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def serve(model: CountingModel, prompt: list[int], prefix_cache: PrefixCache | N
     before = model.num_tokens
     _prefill(model, prompt, cache, start, checkpoint_length(len(prompt)), insert)
     num_processed = model.num_tokens - before + 1
-    return _decode(model, prompt[-1], cache), num_processed, hit
+    tokens = _decode(model, prompt[-1], cache)
+    if prefix_cache is not None:  # the cache holds the prompt and every generated token but the last
+        prefix_cache.insert(prompt + tokens[:-1], cache)
+    return tokens, num_processed, hit
 
 
 def cold(model: CountingModel, prompt: list[int]) -> list[int]:
@@ -144,14 +148,14 @@ def test_each_match_kind_continues_exactly_like_a_cold_run(llama, kind):
 
 
 def _conversation(model, tokenizer, prefix_cache, turns: list[str]):
-    """Run an agent loop; yields (prompt, hit, tokens processed) per turn after checking against a cold run."""
+    """Run an agent loop; yields (prompt, reply, hit, tokens processed) per turn, each checked against a cold run."""
     history = _message(tokenizer, "system", "You are a helpful assistant.")
     for text in turns:
         history = history + _message(tokenizer, "user", text)
         prompt = history + _generation_prompt(tokenizer)
         tokens, num_processed, hit = serve(model, prompt, prefix_cache)
         assert tokens == cold(model, prompt)
-        yield prompt, hit, num_processed
+        yield prompt, tokens, hit, num_processed
         history = prompt + tokens + tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
 
 
@@ -161,19 +165,17 @@ TURNS = ["What's the weather in Paris?", "And in Berlin, tomorrow morning?", "Th
 def test_hybrid_model_hits_across_a_multi_turn_conversation(qwen3_next):
     model, tokenizer = qwen3_next
     prefix_cache = PrefixCache(budget_bytes=1 << 26)
-    previous = None
-    for prompt, hit, num_processed in _conversation(model, tokenizer, prefix_cache, TURNS):
-        if previous is None:
-            assert hit.kind == "miss"
-        else:  # the checkpoint of the previous prompt (all but its last token) is a prefix of this one
-            assert hit.kind == "prefix" and hit.num_cached == len(previous) - 1
+    num_expected = 0
+    for prompt, reply, hit, num_processed in _conversation(model, tokenizer, prefix_cache, TURNS):
+        expected = ("prefix", num_expected) if num_expected else ("miss", 0)
+        assert (hit.kind, hit.num_cached) == expected
         assert num_processed == len(prompt) - hit.num_cached
-        previous = prompt
+        num_expected = len(prompt) + len(reply) - 1  # the finished request's state: prompt and reply but the last
 
-    # Resending the same prompt reuses all of it but the last token, though the cache cannot be trimmed.
-    tokens, num_processed, hit = serve(model, previous, prefix_cache)
-    assert (hit.kind, hit.num_cached, num_processed) == ("prefix", len(previous) - 1, 1)
-    assert tokens == cold(model, previous)
+    # Resending the last prompt reuses all of it but its last token, though the cache cannot be trimmed.
+    tokens, num_processed, hit = serve(model, prompt, prefix_cache)
+    assert (hit.kind, hit.num_cached, num_processed) == ("prefix", len(prompt) - 1, 1)
+    assert tokens == cold(model, prompt)
 
 
 def test_the_hybrid_oracle_sees_the_recurrent_state(qwen3_next):
@@ -192,7 +194,7 @@ def test_hybrid_model_never_reuses_state_past_where_conversations_diverge(qwen3_
     model, tokenizer = qwen3_next
     prefix_cache = PrefixCache(budget_bytes=1 << 26)
     first = list(_conversation(model, tokenizer, prefix_cache, TURNS[:2]))
-    base = first[0][0]  # turn one's prompt, then a different second user message
+    base = first[0][0]  # turn one's prompt, then a different second user message (as if the reply was dropped)
     branch = base + _message(tokenizer, "user", "Tell me a story about the sea.") + _generation_prompt(tokenizer)
     shared = next(i for i, (a, b) in enumerate(zip(first[1][0], branch, strict=False)) if a != b)
     tokens, num_processed, hit = serve(model, branch, prefix_cache)
@@ -207,11 +209,11 @@ def test_trimmable_model_keeps_one_entry_per_conversation(llama):
     model, tokenizer = llama
     prefix_cache = PrefixCache(budget_bytes=1 << 26)
     results = list(_conversation(model, tokenizer, prefix_cache, TURNS))
-    assert [hit.kind for _, hit, _ in results] == ["miss", "prefix", "prefix"]
+    assert [hit.kind for _, _, hit, _ in results] == ["miss", "prefix", "prefix"]
     stats = prefix_cache.stats()
     assert stats["num_entries"] == 1  # every chunk boundary and earlier turn is a strict prefix of the last
     assert stats["num_dominated_dropped"] == stats["num_inserts"] - 1
-    assert stats["num_tokens_reused"] == sum(hit.num_cached for _, hit, _ in results)
+    assert stats["num_tokens_reused"] == sum(hit.num_cached for _, _, hit, _ in results)
 
     # An edited earlier turn: the stored conversation is trimmed back to where the edit starts.
     edited = results[1][0][:-12] + tokenizer.encode("Rome?<|im_end|>\n", add_special_tokens=False)
