@@ -68,6 +68,12 @@ def _common_length(key: tuple[int, ...], tokens: tuple[int, ...], start: int) ->
     return n
 
 
+def _trim_kind(num_entry_tokens: int, num_shared: int, prompt: tuple[int, ...]) -> MatchKind:
+    if num_shared < len(prompt):
+        return "diverged"
+    return "exact" if num_entry_tokens == len(prompt) else "longer"
+
+
 class PrefixIndex:
     """Token sequences → entry ids, with match kinds, dominance, LRU order and ref-counts. Not thread-safe."""
 
@@ -118,9 +124,7 @@ class PrefixIndex:
         num_trimmed = min(shared, limit) if subtree is not None else 0
         if subtree is not None and num_trimmed > num_prefix:
             node = self._shallowest_trimmable(subtree)
-            kind: MatchKind = "exact" if node.depth == len(tokens) == shared else (
-                "longer" if shared == len(tokens) else "diverged")
-            return Match(node.entry_id, num_trimmed, node.depth - num_trimmed, kind)
+            return Match(node.entry_id, num_trimmed, node.depth - num_trimmed, _trim_kind(node.depth, shared, tokens))
         if prefix is not None:
             return Match(prefix.entry_id, num_prefix, 0, "prefix")
         return None

@@ -1,10 +1,22 @@
 """The prefix cache: a token index and a snapshot store behind ``lookup`` and ``insert``.
 
-Engine-agnostic. The engine asks ``lookup(prompt)`` before prefill and continues from the returned layers at token
-``num_cached``; it calls ``insert(tokens, cache)`` whenever its cache holds exactly ``tokens`` and that state is
-worth keeping: at prefill chunk boundaries and right before the last prompt token is processed (see
-``checkpoint_length``). Whether a hit can reuse a longer or diverging entry depends on the cache being trimmable;
-recurrent (hybrid) models hit through snapshots taken at positions their prompts pass through.
+Engine-agnostic; what an engine does with it, per request:
+
+1. Before prefill, ``hit = cache.lookup(prompt)``; on a hit, start from ``hit.cache`` at token ``hit.num_cached``
+   (at most ``len(prompt) - 1``) instead of a fresh ``make_prompt_cache(model)``.
+2. After each prefill chunk (its state evaluated), ``cache.insert(prompt[:end], layers)``. On a trimmable cache
+   the previous chunk's snapshot is dropped as the longer one lands, so at most one is held per request; with
+   chunks of 256 tokens or more the layers' next write allocates a new buffer anyway, so a snapshot costs no extra copy.
+3. End the prefill at ``checkpoint_length(len(prompt))`` (all tokens but the last, as mlx-lm's ``generate_step``
+   does), insert there, then process the last token. For caches that cannot be trimmed (recurrent layers) this is
+   the snapshot that lets a resent prompt hit.
+4. When the request finishes, insert its own layers once more with ``prompt + generated[:-1]`` (the last sampled
+   token was never fed to the model): the next turn of a conversation extends exactly that. From a batched cache,
+   take the row out first (``[layer.extract(i) for layer in batch_cache]``); snapshots hold batch size 1.
+
+The first write into a cache that shares buffers with a snapshot (a handed-out cache, or the engine's own cache
+right after ``insert``) copies the buffer it writes into; later writes do not. Call from one thread at a time or
+many: every method takes a lock.
 """
 
 from __future__ import annotations
@@ -60,7 +72,7 @@ def _check_holds(cache: Sequence[Any], num_tokens: int) -> None:
 
 
 class PrefixCache:
-    """Reusable prompt state for one model, within ``budget_bytes`` of snapshots. Thread-safe.
+    """Reusable prompt state for one model, within ``budget_bytes`` of snapshots.
 
     ``lookup`` never returns a state holding tokens the prompt lacks, and always leaves at least one prompt
     token for the model to process. ``insert`` stores an independent snapshot; strict prefixes that a longer
