@@ -1,0 +1,1 @@
+"""Process-level runtime concerns (BLAS selection)."""
