@@ -96,7 +96,7 @@ class Daemon:
             path=str(loaded.path),
             dtype=loaded.dtype,
             context_length=loaded.context_length,
-            blas=mapped_blas() or ["none mapped (mlx's bundled BLAS)"],
+            blas=mapped_blas(),
             load_s=round(time.monotonic() - started, 2),
             **platform_summary(),
         )

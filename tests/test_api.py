@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
+from mlx_lm.generate import generate_step
 
 from tests.helpers import app_client, sse_events, streamed_text, write_config
 
@@ -32,15 +34,25 @@ def test_greedy_chat_equals_mlx_lm_generate(served, reference):
     model, tokenizer = reference
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     expected = generate(model, tokenizer, prompt, max_tokens=20)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    expected_ids = [t for t, _ in generate_step(mx.array(prompt_ids), model, max_tokens=20)]
     response = chat(client, max_tokens=20)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["message"]["content"] == expected
-    usage = body["usage"]
-    assert usage["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
-    assert usage["completion_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False)) or \
-        body["choices"][0]["finish_reason"] == "stop"
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(expected_ids),
+                             "total_tokens": len(prompt_ids) + len(expected_ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_end_of_sequence_token_ends_with_stop(served, reference):
+    client, _ = served
+    _, tokenizer = reference
+    body = chat(client, max_tokens=20, logit_bias={str(tokenizer.eos_token_id): 100.0}).json()
+    assert body["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": ""},
+                                  "finish_reason": "stop", "logprobs": None}
+    assert body["usage"]["completion_tokens"] == 0
 
 
 def test_greedy_completion_equals_mlx_lm_generate(served, reference):

@@ -68,4 +68,4 @@ def test_openblas_is_mapped_into_the_serving_process(server):
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
     assert "libopenblas" in maps
     ready = next(line for line in log_lines(log_path) if line.get("event") == "model_ready")
-    assert any("openblas" in lib for lib in ready["blas"]) and ready["dtype"] == "float32"
+    assert any("libopenblas" in lib for lib in ready["blas"]) and ready["dtype"] == "float32"

@@ -134,7 +134,7 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
+class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
 
