@@ -1,0 +1,121 @@
+"""Prefill and decode speed of the embedded default model through HTTP, with and without OpenBLAS.
+
+Starts `python -m mlxd --config configs/default.toml` once per BLAS setting (side by side in one run),
+measures prefill tok/s (prompt tokens / time to first token, long prompt) and decode tok/s (streamed tokens
+after the first / time between first and last), and writes docs/benchmarks/default-model.md.
+
+    python benchmarks/default_model.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks" / "default-model.md"
+PARAGRAPH = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "knowledge spread across Europe. Workshops appeared in many cities, and books became cheaper. "
+)
+
+
+def start(port: int, env: dict[str, str], dtype: str) -> subprocess.Popen:
+    text = (ROOT / "configs" / "default.toml").read_text()
+    text = text.replace('pipeline = "chat"', f'pipeline = "{ROOT}/pipelines/chat.toml"')
+    text = text.replace('name = "smollm2-135m"', f'name = "smollm2-135m"\ndtype = "{dtype}"')
+    config = Path(tempfile.mkdtemp()) / "bench.toml"
+    config.write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "--config", str(config),
+                             "--port", str(port)], env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def stream(port: int, messages: list[dict], max_tokens: int) -> tuple[float, list[float], int]:
+    """(seconds to first token, arrival times of content chunks, prompt tokens)."""
+    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"0": -100, "2": -100}}
+    started, times, prompt_tokens = time.perf_counter(), [], 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+    return times[0] - started, times, prompt_tokens
+
+
+def measure(port: int, repeats: int) -> dict[str, float]:
+    long_prompt = [{"role": "user", "content": PARAGRAPH * 12 + "Summarize."}]
+    short_prompt = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    stream(port, short_prompt, 8)  # warm
+    prefill, decode = [], []
+    for _ in range(repeats):
+        ttft, _, num_prompt = stream(port, long_prompt, 1)
+        prefill.append(num_prompt / ttft)
+        _, times, _ = stream(port, short_prompt, 128)
+        decode.append((len(times) - 1) / (times[-1] - times[0]))
+    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode), "prompt": num_prompt}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = {}
+    settings = (("float32 + OpenBLAS (default)", {}, "auto"),
+                ("float32, bundled BLAS", {"MLXD_OPENBLAS": "0"}, "auto"),
+                ("native Q4_1/Q8_0, bundled BLAS", {"MLXD_OPENBLAS": "0"}, "native"))
+    for label, env, dtype in settings:
+        proc = start(18765, env, dtype)
+        try:
+            rows[label] = measure(18765, args.repeats)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        print(label, rows[label], flush=True)
+    base = rows["float32 + OpenBLAS (default)"]
+    lines = [
+        "# Default model (SmolLM2-135M-Instruct) through HTTP",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; {time.strftime('%Y-%m-%d')}.",
+        f"Command: `python benchmarks/default_model.py --repeats {args.repeats}` (servers run one after another in one",
+        "run; medians). Prefill: a long prompt, `max_tokens=1`, prompt tokens / time to first token.",
+        "Decode: streamed tokens after the first / time from first to last token, 128 tokens.",
+        "",
+        "| setting | prompt tokens | prefill tok/s | decode tok/s | prefill vs default | decode vs default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in rows.items():
+        lines.append(f"| {label} | {r['prompt']} | {r['prefill']:.1f} | {r['decode']:.1f} | "
+                     f"{r['prefill'] / base['prefill']:.2f} | {r['decode'] / base['decode']:.2f} |")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text("\n".join(lines) + "\n")
+    print(OUT.read_text())
+
+
+if __name__ == "__main__":
+    main()
