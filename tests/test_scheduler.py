@@ -58,15 +58,17 @@ def test_running_is_capped_and_the_rest_waits_in_order():
     assert [s.request_id for s, _ in plan.prefill] == ["b", "c"]
 
 
-def test_waiting_cap():
+def test_waiting_cap_counts_beyond_free_running_slots():
     scheduler = Scheduler(max_running=1, max_waiting=2, step_token_budget=100)
-    scheduler.add(seq("a", 4))
-    scheduler.add(seq("b", 4))
+    for name in "abc":
+        scheduler.add(seq(name, 4))
     assert not scheduler.can_add()
     with pytest.raises(OverflowError):
-        scheduler.add(seq("c", 4))
-    scheduler.schedule()  # admits a: a waiting place frees up
-    assert scheduler.can_add()
+        scheduler.add(seq("d", 4))
+    scheduler.schedule()  # admits a: still one running and two waiting
+    assert not scheduler.can_add()
+    scheduler.remove("a")
+    assert scheduler.can_add() and not scheduler.can_add(num_pending=1)
 
 
 def test_decode_rows_spend_the_budget_and_one_chunk_always_goes():

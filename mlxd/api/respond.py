@@ -118,9 +118,7 @@ async def collect(events: AsyncIterator[Any], trace: Trace, receive: Receive | N
         finally:
             gone.cancel()
             if not drain.done():
-                drain.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await drain
+                await _cancel(drain)
                 raise ClientDisconnected("the client disconnected before the response was ready")
         return drain.result()
     except BaseException as e:
@@ -142,6 +140,13 @@ async def _drain(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
     if trace.done is None:
         raise PipelineError("the pipeline ended without a final event (is `detokenize` last?)")
     return "".join(parts), trace.done
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel a task and wait for it; closing its stream cancels the engine request."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _disconnected(receive: Receive) -> None:

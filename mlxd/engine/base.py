@@ -95,7 +95,10 @@ class RequestHandle:
         """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""
         while True:
             try:
-                event = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation (a client gone) when an
+                # event arrives at the same moment, and the request would run on unobserved.
+                async with asyncio.timeout(keepalive_s):
+                    event = await self._queue.get()
             except TimeoutError:
                 yield None
                 continue

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
@@ -57,7 +58,7 @@ class BatchedEngine:
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
         self._lock = threading.Lock()
-        self._num_pending_submits = 0
+        self._pending: dict[str, Submitted] = {}  # submitted on the event loop, not yet applied here
         self.totals = {
             "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
             "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
@@ -76,28 +77,33 @@ class BatchedEngine:
         self._thread.join(timeout=30)
 
     def submit(self, request: EngineRequest) -> RequestHandle:
-        with self._lock:
-            if self._num_pending_submits + self.scheduler.num_waiting >= self.config.max_waiting:
-                raise Overloaded(f"{self.config.max_waiting} requests are already waiting; retry shortly")
-            self._num_pending_submits += 1
-        handle = RequestHandle(request.request_id, self, asyncio.get_running_loop())
         state = SequenceState(
             request_id=request.request_id,
             num_prompt_tokens=len(request.prompt),
             prefill_chunk=request.prefill_chunk,
             max_tokens=request.max_tokens,
         )
-        self._inbox.put(("submit", Submitted(request, handle, state)))
-        return handle
+        submitted = Submitted(request, RequestHandle(request.request_id, self, asyncio.get_running_loop()), state)
+        with self._lock:
+            if not self.scheduler.can_add(num_pending=len(self._pending)):
+                raise Overloaded(
+                    f"{self.config.max_running} requests are running and {self.config.max_waiting} waiting "
+                    "(the most allowed); retry shortly"
+                )
+            self._pending[request.request_id] = submitted
+        self._inbox.put(("submit", submitted))
+        return submitted.handle
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
     def status(self) -> dict[str, Any]:
-        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        with self._lock:
+            pending = [s.state for s in self._pending.values()]
+            running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
         return {
             "running": [s.snapshot() for s in running],
-            "waiting": [s.snapshot() for s in waiting],
+            "waiting": [s.snapshot() for s in [*waiting, *pending]],
             "limits": {
                 "max_running": self.config.max_running,
                 "max_waiting": self.config.max_waiting,
@@ -114,6 +120,11 @@ class BatchedEngine:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        with mx.stream(generation_stream):
+            self._serve()
+        mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
+
+    def _serve(self) -> None:
         try:
             self._warm_up()
         except Exception as e:  # noqa: BLE001 - handed to start(), which re-raises it
@@ -161,7 +172,7 @@ class BatchedEngine:
 
     def _accept(self, submitted: Submitted) -> None:
         with self._lock:
-            self._num_pending_submits -= 1
+            del self._pending[submitted.request.request_id]
             self.scheduler.add(submitted.state)
         self._requests[submitted.request.request_id] = submitted
 

@@ -99,13 +99,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def can_add(self) -> bool:
-        return len(self.waiting) < self.max_waiting
+    def can_add(self, num_pending: int = 0) -> bool:
+        """Whether one more request fits: free running slots first, then ``max_waiting`` places in the queue.
+
+        ``num_pending``: requests accepted elsewhere (another thread) but not added yet.
+        """
+        return num_pending + len(self.waiting) + len(self.running) < self.max_running + self.max_waiting
 
     def add(self, sequence: SequenceState) -> None:
         """Queue a request; the caller checks :meth:`can_add` first (the engine answers 429 otherwise)."""
         if not self.can_add():
-            raise OverflowError(f"{self.max_waiting} requests are already waiting")
+            raise OverflowError(f"{self.max_running} requests run and {self.max_waiting} wait already")
         sequence.phase = "waiting"
         self.waiting.append(sequence)
 

@@ -1,0 +1,227 @@
+"""The batching engine against oracles: batched greedy output equals each request's solo output, prompts are
+processed in counted chunks, a newcomer joins a running stream within one chunk plus one step, and the queue
+answers 429 once full. Tiny random models (float32), real sockets for the HTTP parts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm import generate, load
+from mlx_lm.generate import generate_step
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
+from mlxd.engine.batched import BatchedEngine
+from tests.helpers import free_port, serve_subprocess, write_config
+
+PROMPTS = [
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Hello",
+    "What is the capital of France? The capital of France is",
+    "SELECT name, COUNT(*) FROM users",
+    "Rain fell softly on the roof while",
+    "1 2 3 4 5 6 7 8 9",
+]
+NO_EOS = {"0": -100.0, "2": -100.0}  # the tiny tokenizer's end-of-sequence ids: keep long streams going
+
+
+@dataclass
+class Call:
+    at: float
+    batch: int
+    length: int
+    last_logits: Any
+
+
+class CountingModel:
+    """Wraps an mlx-lm model with its real interface; records each forward pass (shape, time, last logits)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[Call] = []
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        logits = self.model(inputs, cache=cache, **kwargs)
+        last = None
+        if inputs.shape[1] > 1:  # a prompt chunk: keep its logits, evaluated here on the engine's own thread
+            last = logits[:, -1, :]
+            mx.eval(last)
+        self.calls.append(Call(time.monotonic(), inputs.shape[0], inputs.shape[1], last))
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def solo_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+async def collect_tokens(engine: BatchedEngine, request: EngineRequest, on_token=None) -> list[int]:
+    handle = engine.submit(request)
+    tokens = []
+    async for event in handle.events():
+        if isinstance(event, Token):
+            tokens.append(event.token)
+            if on_token is not None:
+                on_token(len(tokens))
+        elif isinstance(event, Finished | Failed):
+            assert isinstance(event, Finished), event
+            return tokens
+    return tokens
+
+
+@pytest.fixture
+def counted_engine(reference):
+    model, _ = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=64, prefill_chunk=8))
+    engine.start()
+    counting.calls.clear()  # warm-up
+    yield engine, counting
+    engine.stop()
+
+
+def test_a_prompt_takes_ceil_n_over_c_forward_passes_with_one_passes_logits(counted_engine, reference):
+    engine, counting = counted_engine
+    model, tokenizer = reference
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    chunk, max_tokens = 8, 3
+    assert len(prompt) % chunk > 1  # a last chunk of one token would look like a decode step
+    request = EngineRequest(request_id="a", prompt=prompt, max_tokens=max_tokens, prefill_chunk=chunk)
+    tokens = asyncio.run(collect_tokens(engine, request))
+    assert tokens == solo_tokens(model, prompt, max_tokens)
+    num_chunks = math.ceil(len(prompt) / chunk)
+    shapes = [(c.batch, c.length) for c in counting.calls]
+    expected_chunks = [(1, chunk)] * (num_chunks - 1) + [(1, len(prompt) - chunk * (num_chunks - 1))]
+    assert shapes[:num_chunks] == expected_chunks
+    assert shapes[num_chunks:] == [(1, 1)] * max_tokens
+    assert sum(length * batch for batch, length in shapes) == len(prompt) + max_tokens
+    one_pass = model(mx.array(prompt)[None])[:, -1, :]
+    chunked = counting.calls[num_chunks - 1].last_logits
+    assert mx.allclose(one_pass, chunked, atol=1e-5).item()
+    assert mx.argmax(one_pass).item() == mx.argmax(chunked).item()
+
+
+def test_a_newcomer_joins_a_lone_stream_within_one_chunk_and_one_step(counted_engine, reference):
+    engine, counting = counted_engine
+    model, tokenizer = reference
+    long_prompt, new_prompt = tokenizer.encode("Once upon a time"), tokenizer.encode("def fibonacci(n): return")
+    bias = {0: -100.0, 2: -100.0}
+    lone = EngineRequest(request_id="lone", prompt=long_prompt, max_tokens=120, prefill_chunk=32,
+                         sampling=SamplingParams(logit_bias=bias))
+    newcomer = EngineRequest(request_id="new", prompt=new_prompt, max_tokens=12, prefill_chunk=32)
+    marks: dict[str, Any] = {}
+
+    async def scenario():
+        started = asyncio.Event()
+
+        def on_lone_token(n: int) -> None:
+            if n == 10:
+                started.set()
+
+        lone_task = asyncio.create_task(collect_tokens(engine, lone, on_lone_token))
+        await started.wait()
+        marks["calls_at_submit"] = len(counting.calls)
+        new_tokens = await collect_tokens(engine, newcomer)
+        return await lone_task, new_tokens
+
+    lone_tokens, new_tokens = asyncio.run(scenario())
+    assert new_tokens == solo_tokens(model, new_prompt, 12)
+    with_bias = [t for t, _ in generate_step(mx.array(long_prompt), model, max_tokens=120,
+                                             logits_processors=engine_processors(bias))]
+    assert lone_tokens == with_bias
+    after = [(c.batch, c.length) for c in counting.calls[marks["calls_at_submit"]:]]
+    chunk_at = after.index((1, len(new_prompt)))
+    assert chunk_at <= 1, after[:5]  # at most the lone stream's step that was already under way
+    assert after[chunk_at + 1] == (2, 1)  # the very next step decodes both, emitting the newcomer's first token
+
+
+def engine_processors(bias: dict[int, float]) -> list:
+    from mlxd.engine.sampling import make_request_processors
+
+    return make_request_processors(SamplingParams(logit_bias=bias))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batched")
+    port = free_port()
+    extra = "[engine]\nmax_running = 4\nmax_waiting = 2\nstep_token_budget = 64\nprefill_chunk = 16\n"
+    config = write_config(tmp, tiny_model_dir, port=port, extra=extra)
+    config.write_text(config.read_text().replace('type = "prefill"', 'type = "prefill"\nchunk_size = 16'))
+    with serve_subprocess(config, port) as (base, _):
+        yield base
+
+
+async def completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    parts = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                parts.extend(c["text"] for c in httpx.Response(200, content=line[6:]).json()["choices"])
+    return "".join(parts)
+
+
+def test_concurrent_greedy_requests_equal_their_solo_outputs(server, reference):
+    model, tokenizer = reference
+    lengths = [24, 40, 17, 33, 28, 40]
+    jobs = list(zip(PROMPTS[:6], lengths, strict=True))
+    expected = [generate(model, tokenizer, prompt, max_tokens=n) for prompt, n in jobs]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            return await asyncio.gather(*[completion(client, p, n, stream=i % 2 == 0) for i, (p, n) in
+                                          enumerate(jobs)])
+
+    # Six at once: four run, two wait for a slot, and rows join and leave the batch as they finish.
+    assert asyncio.run(run()) == expected
+
+
+def test_over_the_waiting_cap_is_429_with_retry_after(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+                    "stream": True, "logit_bias": NO_EOS}
+            streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(6)]
+            responses = [await s.__aenter__() for s in streams]  # 4 running + 2 waiting: all accepted
+            try:
+                assert [r.status_code for r in responses] == [200] * 6
+                over = await client.post("/v1/completions", json=body)
+                assert over.status_code == 429, over.text
+                assert int(over.headers["retry-after"]) >= 1
+                assert over.json()["error"]["type"] == "rate_limit_error"
+                status = (await client.get("/v1/status")).json()
+                assert len(status["running"]) == 4 and len(status["waiting"]) == 2, status
+            finally:
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+            for _ in range(100):  # the closed streams are cancelled
+                status = (await client.get("/v1/status")).json()
+                if not status["running"] and not status["waiting"]:
+                    return status
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"requests still in the engine: {status}")
+
+    status = asyncio.run(run())
+    assert status["totals"]["num_cancelled"] >= 6

@@ -1,0 +1,121 @@
+"""Clients that go away: real sockets closed mid-stream and mid-response abort their request, free its memory and
+leave the other requests untouched."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from mlx_lm import generate, load
+
+from tests.helpers import free_port, serve_subprocess, write_config
+
+NO_EOS = {"0": -100.0, "2": -100.0}  # the tiny tokenizer's end-of-sequence ids: keep long requests going
+LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 20000, "temperature": 0, "logit_bias": NO_EOS}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("disconnect")
+    port = free_port()
+    extra = "[engine]\nmax_running = 8\nmax_waiting = 64\n"
+    config = write_config(tmp, tiny_model_dir, port=port, extra=extra)
+    with serve_subprocess(config, port) as (base, _):
+        yield base, port
+
+
+def status(base: str) -> dict:
+    return httpx.get(base + "/v1/status", timeout=10).json()
+
+
+def wait_for(base: str, predicate, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = status(base)
+        if predicate(current):
+            return current
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting; status: {current}")
+        time.sleep(0.02)
+
+
+def idle(current: dict) -> bool:
+    return not current["running"] and not current["waiting"]
+
+
+def open_request(port: int, body: dict) -> socket.socket:
+    """POST /v1/completions over a raw socket; the caller reads what it wants and closes."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+def read_until_text(sock: socket.socket) -> None:
+    """Read the SSE stream until a frame with generated text has arrived."""
+    received = b""
+    while b'"text":"' not in received.replace(b'"text":""', b""):
+        chunk = sock.recv(4096)
+        assert chunk, f"stream ended early: {received[-500:]!r}"
+        received += chunk
+
+
+def close_now(sock: socket.socket) -> None:
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def test_closed_stream_is_aborted_and_others_are_untouched(server, tiny_model_dir):
+    base, port = server
+    model, tokenizer = load(str(tiny_model_dir))
+    expected = generate(model, tokenizer, "def fibonacci(n):", max_tokens=48)
+    other: dict = {}
+
+    def bystander() -> None:
+        body = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}
+        other["text"] = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    before = status(base)["totals"]["num_cancelled"]
+    sock = open_request(port, {**LONG, "stream": True})
+    read_until_text(sock)
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    close_now(sock)
+    after = wait_for(base, idle)
+    thread.join(60)
+    assert after["totals"]["num_cancelled"] == before + 1
+    assert other["text"] == expected
+
+
+def test_closed_non_streaming_request_is_aborted(server):
+    base, port = server
+    before = status(base)["totals"]
+    sock = open_request(port, {**LONG, "stream": False})
+    running = wait_for(base, lambda s: s["running"] and s["running"][0]["num_generated_tokens"] > 5)
+    assert running["running"][0]["phase"] == "decode"
+    close_now(sock)
+    after = wait_for(base, idle, timeout=5)
+    assert after["totals"]["num_cancelled"] == before["num_cancelled"] + 1
+    generated = after["totals"]["num_generated_tokens"]
+    time.sleep(0.2)
+    assert status(base)["totals"]["num_generated_tokens"] == generated  # nothing runs on for it
+
+
+def test_fifty_cancellations_leave_nothing_running_and_memory_at_baseline(server):
+    base, port = server
+    baseline = wait_for(base, idle)
+    for start in range(0, 50, 10):  # ten at a time: some wait, some prefill, most decode when closed
+        socks = [open_request(port, {**LONG, "stream": True, "prompt": "word " * (5 + 40 * i)}) for i in range(10)]
+        for i, sock in enumerate(socks):
+            if (start + i) % 3:
+                read_until_text(sock)
+            close_now(sock)
+    after = wait_for(base, idle)
+    assert after["totals"]["num_cancelled"] == baseline["totals"]["num_cancelled"] + 50
+    assert after["memory"]["active_bytes"] == baseline["memory"]["active_bytes"]
