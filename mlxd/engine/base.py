@@ -86,6 +86,15 @@ class RequestHandle:
         """Thread-safe: called from the engine thread."""
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
+    @staticmethod
+    def push_all(events: list[tuple[RequestHandle, EngineEvent]]) -> None:
+        """Thread-safe: hand many events over with one wake-up of each event loop (one per engine step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, EngineEvent]]] = {}
+        for handle, event in events:
+            by_loop.setdefault(handle._loop, []).append((handle, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def cancel(self) -> None:
         if not self.done:
             self.done = True
@@ -107,6 +116,11 @@ class RequestHandle:
                 yield event
                 return
             yield event
+
+
+def _put_all(items: list[tuple[RequestHandle, EngineEvent]]) -> None:
+    for handle, event in items:
+        handle._queue.put_nowait(event)
 
 
 class Engine(Protocol):

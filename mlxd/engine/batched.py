@@ -59,6 +59,7 @@ class BatchedEngine:
         self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
         self._lock = threading.Lock()
         self._pending: dict[str, Submitted] = {}  # submitted on the event loop, not yet applied here
+        self._outbox: list[tuple[RequestHandle, Any]] = []  # events of this step, handed over together
         self.totals = {
             "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
             "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
@@ -132,11 +133,15 @@ class BatchedEngine:
         self._ready.set()
         if self._startup_error is not None:
             return
-        while self._apply_inbox(block=not self.scheduler.has_work):
-            if self.scheduler.has_work:
-                self.step()
-            else:
-                mx.clear_cache()  # idle: give the freed buffers back
+        try:
+            while self._apply_inbox(block=not self.scheduler.has_work):
+                if self.scheduler.has_work:
+                    self.step()
+                else:
+                    mx.clear_cache()  # idle: give the freed buffers back
+                self._send()
+        finally:
+            self._send()
 
     def _warm_up(self) -> None:
         """Run the shapes serving will use (a full prompt chunk; decode batches of 1, 2, 4, … max_running):
@@ -197,7 +202,7 @@ class BatchedEngine:
             self._fail(request.request_id, e)
             return
         self.scheduler.on_prefilled(state, num_tokens)
-        submitted.handle.push(Progress(state.num_prefilled, state.num_prompt_tokens))
+        self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
         if first is not None:
             del self._prefilling[request.request_id]
             self.batch.add(row, first)
@@ -241,13 +246,13 @@ class BatchedEngine:
             return "stop"
         state.num_generated += 1
         self.totals["num_generated_tokens"] += 1
-        submitted.handle.push(Token(token))
+        self._post(submitted, Token(token))
         return "length" if state.num_generated >= state.max_tokens else None
 
     def _finish(self, request_id: str, reason: str) -> None:
         submitted = self._release(request_id)
         if submitted is not None:
-            submitted.handle.push(Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt)))
+            self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt)))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         log.error("request_failed", request_id=request_id, error=str(error))
@@ -255,7 +260,7 @@ class BatchedEngine:
         submitted = self._release(request_id)
         if submitted is not None:
             self.totals["num_failed"] += 1
-            submitted.handle.push(Failed(str(error)))
+            self._post(submitted, Failed(str(error)))
 
     def _cancel(self, request_id: str) -> None:
         if request_id not in self._requests:
@@ -263,6 +268,14 @@ class BatchedEngine:
         self.batch.remove({request_id})
         self.totals["num_cancelled"] += 1
         self._finish(request_id, "cancelled")
+
+    def _post(self, submitted: Submitted, event: Any) -> None:
+        self._outbox.append((submitted.handle, event))
+
+    def _send(self) -> None:
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            RequestHandle.push_all(events)
 
     def _release(self, request_id: str) -> Submitted | None:
         """Forget a request everywhere: scheduler queues, prompt rows, the request table."""
@@ -272,7 +285,7 @@ class BatchedEngine:
 
     def _abort_all(self) -> None:
         for submitted in self._requests.values():
-            submitted.handle.push(Failed("the server is shutting down"))
+            self._post(submitted, Failed("the server is shutting down"))
         self.batch.remove(set(self._requests))
         self._requests.clear()
         self._prefilling.clear()

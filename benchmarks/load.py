@@ -1,0 +1,334 @@
+"""Streaming load generator and baselines for the batching engine.
+
+Measures, in one run and on one model:
+
+* mlx-lm driven directly: ``generate_step`` (one stream) and ``BatchGenerator`` (all streams in one batch);
+* OpenAI-compatible servers through HTTP with streaming clients: mlxd, ``mlx_lm.server`` and, when given a Python
+  that has it, vllm-mlx.
+
+Per server and concurrency: mean time to first token, median inter-token latency and aggregate tokens/s (completion
+tokens / (last token time − first token time), over all streams). Prompts are distinct per client and chosen so that
+greedy decoding does not hit an end-of-sequence token within ``--max-tokens``, so every stream runs to its length.
+
+    python benchmarks/load.py --tiny qwen3 --out docs/benchmarks/engine-cpu.md
+    python benchmarks/load.py --model PATH --concurrency 1,8,16 --servers mlxd
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    label: str
+    concurrency: int
+    tokens: int
+    ttft_s: float | None
+    itl_ms: float | None
+    tokens_per_s: float
+
+
+# ---- prompts ----
+
+def pick_prompts(model, tokenizer, count: int, max_tokens: int) -> list[str]:
+    """Distinct prompts whose greedy continuation runs ``max_tokens`` without an end-of-sequence token."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    eos = set(tokenizer.eos_token_ids)
+    prompts, i = [], 0
+    while len(prompts) < count:
+        prompt = f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}."
+        i += 1
+        tokens = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens)]
+        if not eos & set(tokens):
+            prompts.append(prompt)
+        if i > 50 * count:
+            raise RuntimeError("could not find prompts that avoid end-of-sequence tokens")
+    return prompts
+
+
+# ---- mlx-lm driven directly ----
+
+def direct_generate_step(model, tokenizer, prompt: str, max_tokens: int) -> Result:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    start, times = time.perf_counter(), []
+    for _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens):
+        times.append(time.perf_counter())
+    return Result("mlx-lm generate_step", 1, len(times), times[0] - start, _median_gap(times),
+                  len(times) / (times[-1] - times[0]))
+
+
+def direct_batch_generator(model, tokenizer, prompts: list[str], max_tokens: int) -> Result:
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    generator = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=n, prefill_batch_size=n)
+    start = time.perf_counter()
+    generator.insert([tokenizer.encode(p) for p in prompts], max_tokens=[max_tokens] * n)
+    times: list[float] = []
+    firsts: dict[int, float] = {}
+    while responses := generator.next_generated():
+        now = time.perf_counter()
+        for response in responses:
+            firsts.setdefault(response.uid, now)
+            times.append(now)
+    generator.close()
+    return Result("mlx-lm BatchGenerator", n, len(times), statistics.mean(firsts.values()) - start, None,
+                  len(times) / (times[-1] - times[0]))
+
+
+def _median_gap(times: list[float]) -> float | None:
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return statistics.median(gaps) * 1000 if gaps else None
+
+
+# ---- HTTP clients (raw asyncio streams: the client must cost less than the servers it measures) ----
+
+async def stream_one(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """One streaming /v1/completions request; returns (start, arrival time of each text frame, completion tokens)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    times, usage = [], 0
+    while line := await reader.readline():
+        if not line.startswith(b"data: {"):
+            continue
+        frame = json.loads(line[6:])
+        if frame.get("choices") and frame["choices"][0].get("text"):
+            times.append(time.perf_counter())
+        if frame.get("usage"):
+            usage = frame["usage"]["completion_tokens"]
+    writer.close()
+    return start, times, usage or len(times)
+
+
+async def http_load(label: str, port: int, model: str, prompts: list[str], max_tokens: int) -> Result:
+    runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens) for p in prompts])
+    tokens = sum(n for _, _, n in runs)
+    first = min(t[0] for _, t, _ in runs if t)
+    last = max(t[-1] for _, t, _ in runs if t)
+    ttft = statistics.mean(t[0] - s for s, t, _ in runs if t)
+    itl = statistics.median(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
+    return Result(label, len(prompts), tokens, ttft, itl * 1000, tokens / (last - first))
+
+
+# ---- servers ----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(command: list[str], port: int, log: Path, health: str, env: dict | None = None) -> Iterator[None]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        wait_ready(port, health, proc, log)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_ready(port: int, path: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int) -> list[str]:
+    config = tmp / "mlxd.toml"
+    config.write_text(f"""pipeline = "chat"
+[server]
+port = {port}
+[model]
+source = "{model_path}"
+name = "bench"
+[engine]
+max_running = {max_running}
+[logging]
+level = "warning"
+format = "json"
+""")
+    return [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)]
+
+
+def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[str], str]]:
+    specs = []
+    for name in args.servers.split(","):
+        port = free_port()
+        if name == "mlxd":
+            specs.append(("mlxd (HTTP)", mlxd_command(args.model, port, tmp, max_concurrency), "/health"))
+        elif name == "mlx_lm":
+            specs.append(("mlx_lm.server (HTTP)", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
+                                                   "--port", str(port), "--decode-concurrency",
+                                                   str(max_concurrency), "--prompt-concurrency",
+                                                   str(max_concurrency)], "/v1/models"))
+        elif name == "vllm_mlx":
+            specs.append(("vllm-mlx (HTTP)", [args.vllm_python, "-m", "vllm_mlx.cli", "serve", args.model, "--port",
+                                              str(port), "--continuous-batching"], "/v1/models"))
+        else:
+            raise SystemExit(f"unknown server {name!r}; known: mlxd, mlx_lm, vllm_mlx")
+    return specs
+
+
+def port_of(command: list[str]) -> int:
+    return int(command[command.index("--port") + 1])
+
+
+async def measure_server(label: str, port: int, model: str, prompts: list[str], levels: list[int],
+                         max_tokens: int, repeats: int) -> list[Result]:
+    for level in levels:  # warm every batch shape once
+        await http_load(label, port, model, prompts[:level], 8)
+    results = []
+    for level in levels:
+        runs = [await http_load(label, port, model, prompts[:level], max_tokens) for _ in range(repeats)]
+        results.append(max(runs, key=lambda r: r.tokens_per_s))
+    return results
+
+
+# ---- report ----
+
+def versions(vllm_python: str | None) -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("mlx", "mlx-lm", "mlxd", "litestar", "uvicorn"):
+        with contextlib.suppress(Exception):
+            out[package] = version(package)
+    if vllm_python:
+        code = "from importlib.metadata import version as v; print(v('vllm-mlx'), v('mlx-lm'), v('mlx'))"
+        with contextlib.suppress(Exception):
+            vv = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+            out["vllm-mlx venv"] = f"vllm-mlx {vv[0]}, mlx-lm {vv[1]}, mlx {vv[2]}"
+    return out
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| engine | streams | tokens | TTFT (s) | median ITL (ms) | aggregate tok/s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        ttft = f"{r.ttft_s:.3f}" if r.ttft_s is not None else "–"
+        itl = f"{r.itl_ms:.2f}" if r.itl_ms is not None else "–"
+        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens} | {ttft} | {itl} | {r.tokens_per_s:.0f} |")
+    return "\n".join(lines)
+
+
+def ratios(results: list[Result]) -> str:
+    def rate(label: str, level: int) -> float | None:
+        return next((r.tokens_per_s for r in results if r.label == label and r.concurrency == level), None)
+
+    lines = []
+    solo = rate("mlx-lm generate_step", 1)
+    mlxd_one = rate("mlxd (HTTP)", 1)
+    if solo and mlxd_one:
+        lines.append(f"- mlxd, 1 stream through HTTP: {mlxd_one / solo:.0%} of generate_step (target ≥ 90%)")
+    for level in sorted({r.concurrency for r in results if r.concurrency > 1}):
+        batch, ours = rate("mlx-lm BatchGenerator", level), rate("mlxd (HTTP)", level)
+        if batch and ours:
+            lines.append(f"- mlxd, {level} streams through HTTP: {ours / batch:.0%} of BatchGenerator at {level} "
+                         "(target ≥ 85% at 8 and 16)")
+    return "\n".join(lines)
+
+
+def with_openblas() -> None:
+    """Re-run this script with OpenBLAS preloaded (as ``mlxd`` runs itself), so that every engine measured here,
+    the direct baselines and the servers started from here, computes with the same BLAS."""
+    from mlxd.runtime.blas import find_openblas
+
+    lib = find_openblas()
+    if sys.platform != "linux" or lib is None or str(lib) in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main() -> None:
+    with_openblas()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an mlx-lm model folder")
+    parser.add_argument("--tiny", help="build a tiny random model of this arch (hidden 128, 4 layers) instead")
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--servers", default="mlxd,mlx_lm", help="comma list: mlxd, mlx_lm, vllm_mlx")
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-mlx (for --servers ...,vllm_mlx)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
+    parser.add_argument("--out", help="write a markdown section here (else print it)")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
+    if args.tiny:
+        from mlxd.testing.tiny import tiny_model_cached
+
+        args.model = str(tiny_model_cached(tmp / "models", args.tiny, hidden_size=128, num_layers=4))
+    from mlx_lm import load
+
+    model, tokenizer = load(args.model)
+    prompts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
+    results = run_all(args, model, tokenizer, prompts, levels, tmp)
+    report = "\n\n".join([
+        f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} runs.",
+        table(results),
+        ratios(results),
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(args.vllm_python).items()),
+    ])
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    print(report)
+
+
+def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path) -> list[Result]:
+    results = [max((direct_generate_step(model, tokenizer, prompts[0], args.max_tokens) for _ in range(3)),
+                   key=lambda r: r.tokens_per_s)]
+    for level in levels:
+        direct_batch_generator(model, tokenizer, prompts[:level], 8)
+        runs = [direct_batch_generator(model, tokenizer, prompts[:level], args.max_tokens)
+                for _ in range(args.repeats)]
+        results.append(max(runs, key=lambda r: r.tokens_per_s))
+    del model
+    for label, command, health in server_specs(args, tmp, max(levels)):
+        port = port_of(command)
+        with serve(command, port, tmp / f"{label.split()[0]}.log", health):
+            name = "bench" if label.startswith("mlxd") else args.model
+            results += asyncio.run(measure_server(label, port, name, prompts, levels, args.max_tokens, args.repeats))
+        print(table(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
