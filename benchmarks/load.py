@@ -55,7 +55,9 @@ def pick_prompts(model, tokenizer, count: int, max_tokens: int) -> list[str]:
     eos = set(tokenizer.eos_token_ids)
     prompts, i = [], 0
     while len(prompts) < count:
-        prompt = f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}."
+        # Words like "t123" make prompts distinct under word-level tokenizers too (benchmarks/random_model.py).
+        tags = " ".join(f"t{(i * 37 + k * 11) % 997 + 3}" for k in range(8))
+        prompt = f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}. {tags}"
         i += 1
         tokens = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens)]
         if not eos & set(tokens):
@@ -202,7 +204,8 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
                                                    str(max_concurrency)], "/v1/models"))
         elif name == "vllm_mlx":
             specs.append(("vllm-mlx (HTTP)", [args.vllm_python, "-m", "vllm_mlx.cli", "serve", args.model, "--port",
-                                              str(port), "--continuous-batching"], "/v1/models"))
+                                              str(port), "--continuous-batching", "--max-num-seqs",
+                                              str(max_concurrency)], "/v1/models"))
         else:
             raise SystemExit(f"unknown server {name!r}; known: mlxd, mlx_lm, vllm_mlx")
     return specs

@@ -213,7 +213,11 @@ def test_over_the_waiting_cap_is_429_with_retry_after(server):
                 assert over.status_code == 429, over.text
                 assert int(over.headers["retry-after"]) >= 1
                 assert over.json()["error"]["type"] == "rate_limit_error"
-                status = (await client.get("/v1/status")).json()
+                for _ in range(100):  # requests accepted between two steps wait until the next one admits them
+                    status = (await client.get("/v1/status")).json()
+                    if len(status["running"]) == 4:
+                        break
+                    await asyncio.sleep(0.02)
                 assert len(status["running"]) == 4 and len(status["waiting"]) == 2, status
             finally:
                 for s in streams:

@@ -103,14 +103,17 @@ class RequestHandle:
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[EngineEvent | None]:
         """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""
         while True:
-            try:
-                # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation (a client gone) when an
-                # event arrives at the same moment, and the request would run on unobserved.
-                async with asyncio.timeout(keepalive_s):
-                    event = await self._queue.get()
-            except TimeoutError:
-                yield None
-                continue
+            if not self._queue.empty():  # a step's events arrive together: no timer for those
+                event = self._queue.get_nowait()
+            else:
+                try:
+                    # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation (a client gone) when
+                    # an event arrives at the same moment, and the request would run on unobserved.
+                    async with asyncio.timeout(keepalive_s):
+                        event = await self._queue.get()
+                except TimeoutError:
+                    yield None
+                    continue
             if isinstance(event, Finished | Failed):
                 self.done = True
                 yield event
