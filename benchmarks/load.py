@@ -292,9 +292,12 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-mlx (for --servers ...,vllm_mlx)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
+    parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
+    logs = args.logs or tmp
+    logs.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         from mlxd.testing.tiny import tiny_model_cached
 
@@ -303,7 +306,7 @@ def main() -> None:
 
     model, tokenizer = load(args.model)
     prompts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
-    results = run_all(args, model, tokenizer, prompts, levels, tmp)
+    results = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
     report = "\n\n".join([
         f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} runs.",
         table(results),
@@ -315,7 +318,7 @@ def main() -> None:
     print(report)
 
 
-def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path) -> list[Result]:
+def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path, logs: Path) -> list[Result]:
     results = [max((direct_generate_step(model, tokenizer, prompts[0], args.max_tokens) for _ in range(3)),
                    key=lambda r: r.tokens_per_s)]
     for level in levels:
@@ -326,7 +329,7 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
     del model
     for label, command, health in server_specs(args, tmp, max(levels)):
         port = port_of(command)
-        with serve(command, port, tmp / f"{label.split()[0]}.log", health):
+        with serve(command, port, logs / f"{label.split()[0]}.log", health):
             name = "bench" if label.startswith("mlxd") else args.model
             results += asyncio.run(measure_server(label, port, name, prompts, levels, args.max_tokens, args.repeats))
         print(table(results), flush=True)
