@@ -43,7 +43,7 @@ def build(out: Path, preset: str, vocab: int, dtype: str) -> Path:
     config = {"model_type": "qwen3", "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "max_position_embeddings": 32768, "tie_word_embeddings": False, "eos_token_id": 0,
               **PRESETS[preset]}
-    model = qwen3.Model(qwen3.ModelArgs(**config))
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     target = getattr(mx, dtype)
     mx.random.seed(0)
     model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(target), model.parameters()))
