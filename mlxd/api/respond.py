@@ -65,6 +65,7 @@ class Trace:
             prompt_tokens=len(self.job.prompt_ids),
             completion_tokens=done.num_completion_tokens if done else None,
             cached_tokens=done.num_cached_tokens if done else None,
+            cache_hit=done.cache_hit if done else None,
             ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
             total_s=round(now - self.started, 4),
             finish_reason=done.finish_reason if done else None,

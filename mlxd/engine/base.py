@@ -36,6 +36,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: frozenset[int] = frozenset()
     prefill_chunk: int = 512
+    # Prompt positions worth a prefix-cache snapshot (the end of the last message, before the generation
+    # prompt): caches that cannot be trimmed can only hit at positions they were snapshotted at.
+    checkpoints: tuple[int, ...] = ()
 
 
 class Token(msgspec.Struct, frozen=True):
@@ -50,6 +53,8 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # How the prefix cache served the prompt: miss, exact, prefix, longer, diverged.
+    cache_hit: str = "miss"
 
 
 class Failed(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ class Job:
     num_images: int = 0
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
+    checkpoints: tuple[int, ...] = ()
     route: str = ""
     engine_request: EngineRequest | None = None
     # Room for third-party stages.
@@ -51,3 +52,4 @@ class Done(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_tokens: int = 0
+    cache_hit: str = "miss"

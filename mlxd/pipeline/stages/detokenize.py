@@ -74,7 +74,7 @@ class Detokenize(Stage):
                     text += "" if stopped else cutter.flush()
                     if text:
                         yield TextDelta(text)
-                    yield _done(job, "stop" if stopped else event.reason, num_tokens, event.num_cached_tokens)
+                    yield _done(job, "stop" if stopped else event.reason, num_tokens, event)
                     return
                 num_tokens += 1
                 if event.token in self.skipped:
@@ -88,10 +88,11 @@ class Detokenize(Stage):
                     return
 
 
-def _done(job: Job, reason: str, num_tokens: int, num_cached: int = 0) -> Done:
+def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = None) -> Done:
     return Done(
         finish_reason=reason,
         num_prompt_tokens=len(job.prompt_ids),
         num_completion_tokens=num_tokens,
-        num_cached_tokens=num_cached,
+        num_cached_tokens=finished.num_cached_tokens if finished else 0,
+        cache_hit=finished.cache_hit if finished else "miss",
     )

@@ -53,4 +53,5 @@ class Prefill(Stage):
             sampling=job.sampling,
             stop_token_ids=self.eos_token_ids,
             prefill_chunk=self.config.chunk_size,
+            checkpoints=job.checkpoints,
         )

@@ -25,8 +25,10 @@ class Template(Stage):
 
     def prepare(self, job: Job) -> None:
         if job.messages is not None:
-            job.prompt_text = self._render(job)
+            job.prompt_text = self._render(job, self.config.add_generation_prompt)
             job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
+            boundary = self._last_message_boundary(job)
+            job.checkpoints = (boundary,) if boundary else ()
         elif isinstance(job.prompt, str):
             job.prompt_text = job.prompt
             job.prompt_ids = self.tokenizer.encode(job.prompt, add_special_tokens=True)
@@ -36,14 +38,28 @@ class Template(Stage):
                 raise RequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt")
             job.prompt_ids = list(job.prompt)
 
-    def _render(self, job: Job) -> str:
+    def _last_message_boundary(self, job: Job) -> int | None:
+        """The prompt position where the last message ends and the generation prompt begins.
+
+        The next turn of a conversation renders this turn's prompt up to here identically, even where the
+        template renders the assistant's turn differently once it is history (thinking blocks, say)."""
+        if not self.config.add_generation_prompt:
+            return None
+        bare = self._render(job, False)
+        if not job.prompt_text.startswith(bare):
+            return None
+        tail = self.tokenizer.encode(job.prompt_text[len(bare) :], add_special_tokens=False)
+        boundary = len(job.prompt_ids) - len(tail)
+        return boundary if 0 < boundary < len(job.prompt_ids) and job.prompt_ids[boundary:] == tail else None
+
+    def _render(self, job: Job, add_generation_prompt: bool) -> str:
         kwargs = {**self.config.kwargs, **job.template_kwargs}
         try:
             return self.tokenizer.apply_chat_template(
                 job.messages,
                 tools=job.tools or None,
                 tokenize=False,
-                add_generation_prompt=self.config.add_generation_prompt,
+                add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
         except Exception as e:  # jinja raises plain exceptions for conversations a template refuses
