@@ -231,3 +231,46 @@ def test_over_the_waiting_cap_is_429_with_retry_after(server):
 
     status = asyncio.run(run())
     assert status["totals"]["num_cancelled"] >= 6
+
+
+def run_all(engine: BatchedEngine, requests: list[EngineRequest]) -> list[list[int]]:
+    async def run():
+        return await asyncio.gather(*[collect_tokens(engine, r) for r in requests])
+
+    return asyncio.run(run())
+
+
+def test_rotating_cache_batched_equals_solo(reference):
+    from mlxd.engine.batch import make_request_cache
+
+    model, tokenizer = reference
+    window, n = 32, 60
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[2], PROMPTS[0], PROMPTS[4])]  # one longer than the window
+    bias = {0: -100.0, 2: -100.0}
+    engine = BatchedEngine(model, EngineConfig(max_running=4, max_kv_size=window, prefill_chunk=16))
+    engine.start()
+    try:
+        got = run_all(engine, [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=n, prefill_chunk=16,
+                                             sampling=SamplingParams(logit_bias=bias)) for i, p in enumerate(prompts)])
+    finally:
+        engine.stop()
+    for prompt, tokens in zip(prompts, got, strict=True):
+        solo = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                            prompt_cache=make_request_cache(model, window),
+                                            logits_processors=engine_processors(bias))]
+        assert tokens == solo
+
+
+def test_hybrid_recurrent_model_batched_equals_solo(tiny_qwen3_next_dir):
+    model, tokenizer = load(str(tiny_qwen3_next_dir))
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    lengths = [20, 32, 12, 28]
+    engine = BatchedEngine(model, EngineConfig(max_running=4, prefill_chunk=8))
+    engine.start()
+    try:
+        got = run_all(engine, [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=n, prefill_chunk=8)
+                               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))])
+    finally:
+        engine.stop()
+    for prompt, n, tokens in zip(prompts, lengths, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, n)

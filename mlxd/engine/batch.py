@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.sampling import make_request_processors, make_request_sampler
@@ -44,7 +44,7 @@ class Row:
             sampler=make_request_sampler(params),
             sampler_key=key,
             processors=make_request_processors(params),
-            cache=make_prompt_cache(model, max_kv_size=max_kv_size or None),
+            cache=make_request_cache(model, max_kv_size),
         )
 
     def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -55,6 +55,17 @@ class Row:
         for processor in self.processors:
             logits = processor(self.history, logits)
         return logits
+
+
+def make_request_cache(model: Any, max_kv_size: int = 0) -> list[Any]:
+    """A request's own cache: the model's, or one ``RotatingKVCache`` per layer when ``max_kv_size`` is set.
+
+    The rotating cache keeps no leading tokens (``keep=0``, where ``generate_step`` keeps 4): mlx-lm's batched
+    rotating cache has no such option, and a request must attend to the same tokens alone and in a batch.
+    """
+    if not max_kv_size or hasattr(model, "make_cache"):
+        return make_prompt_cache(model)
+    return [RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]
 
 
 def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool) -> mx.array | None:
