@@ -219,6 +219,13 @@ def test_over_the_waiting_cap_is_429_with_retry_after(server):
                         break
                     await asyncio.sleep(0.02)
                 assert len(status["running"]) == 4 and len(status["waiting"]) == 2, status
+                # A queued stream gets SSE comments (keepalive_s = 0.5 here) while it waits for a slot.
+                raw = b""
+                async for chunk in responses[-1].aiter_raw():
+                    raw += chunk
+                    if raw.count(b": keep-alive") >= 3:
+                        break
+                assert b'"text"' not in raw
             finally:
                 for s in streams:
                     await s.__aexit__(None, None, None)

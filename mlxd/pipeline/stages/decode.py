@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,11 +26,16 @@ class Decode(Stage):
         try:
             # Accepted: lets the API send response headers before the first token exists.
             yield KeepAlive()
+            last_progress = time.monotonic()
             async for event in handle.events(self.keepalive_s):
                 if event is None:
                     yield KeepAlive()
                 elif isinstance(event, Progress):
-                    continue
+                    # A long prompt reports every chunk, so the engine is never silent for keepalive_s: keep the
+                    # client's connection alive from these instead.
+                    if time.monotonic() - last_progress >= self.keepalive_s:
+                        last_progress = time.monotonic()
+                        yield KeepAlive()
                 elif isinstance(event, Failed):
                     raise EngineError(f"generation failed: {event.message}")
                 else:
