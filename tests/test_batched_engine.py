@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,11 @@ class CountingModel:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.calls: list[Call] = []
+        self.gate = threading.Event()  # cleared: the next forward pass waits (holds the engine mid-step)
+        self.gate.set()
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        self.gate.wait()
         logits = self.model(inputs, cache=cache, **kwargs)
         last = None
         if inputs.shape[1] > 1:  # a prompt chunk: keep its logits, evaluated here on the engine's own thread
@@ -151,6 +155,42 @@ def test_a_newcomer_joins_a_lone_stream_within_one_chunk_and_one_step(counted_en
     # event loop thread was switched out between counting and submitting, on a busy 2-core machine).
     assert chunk_at <= 2, after[:5]
     assert after[chunk_at + 1] == (2, 1)  # the very next step decodes both, emitting the newcomer's first token
+
+
+def test_short_prompts_arriving_together_share_one_forward_pass(reference):
+    model, tokenizer = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=5, step_token_budget=256, prefill_chunk=64))
+    engine.start()
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[6])]
+    blocker = EngineRequest(request_id="blocker", prompt=[5], max_tokens=10_000)
+    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=16, prefill_chunk=64)
+                for i, p in enumerate(prompts)]
+
+    async def scenario():
+        decoding = asyncio.Event()
+        blocking = asyncio.create_task(collect_tokens(engine, blocker, lambda n: decoding.set()))
+        await decoding.wait()
+        counting.gate.clear()  # the engine stops inside its next step until all four have arrived
+        await asyncio.sleep(0.05)
+        counting.calls.clear()
+        tasks = [asyncio.create_task(collect_tokens(engine, r)) for r in requests]
+        await asyncio.sleep(0.05)
+        counting.gate.set()
+        outputs = await asyncio.gather(*tasks)
+        engine.cancel("blocker")
+        await blocking
+        return outputs
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        counting.gate.set()
+        engine.stop()
+    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    assert prefill_calls == [(4, max(len(p) for p in prompts))]  # left-padded, one pass
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, 16)
 
 
 def engine_processors(bias: dict[int, float]) -> list:

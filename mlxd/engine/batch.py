@@ -1,8 +1,9 @@
 """The MLX side of the batching engine: per-request prompt processing and the batched decode step.
 
-Each request processes its prompt alone, in chunks, into a cache of its own (``make_prompt_cache``, exactly what
-``generate_step`` uses). When its prompt is in, its cache joins the :class:`DecodeBatch`, which advances every
-decoding request by one token per forward pass.
+Each request processes its prompt in chunks into a cache of its own (``make_prompt_cache``, what ``generate_step``
+uses); short prompts that arrive together go through one left-padded forward pass instead
+(:func:`process_prompts`). When its prompt is in, a request's cache joins the :class:`DecodeBatch`, which advances
+every decoding request by one token per forward pass.
 
 The batch composes mlx-lm's cache protocol and nothing private: per layer, ``merge`` builds a left-padded batched
 cache (``BatchKVCache``, ``BatchRotatingKVCache``, ``ArraysCache`` for recurrent layers), ``extend`` adds a row,
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.sampling import make_request_processors, make_request_sampler
@@ -88,6 +89,48 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool) -> mx
     return first
 
 
+# Cache types whose batched form can be left-padded before a first forward pass.
+_LEFT_PADDABLE = (KVCache, RotatingKVCache, ArraysCache)
+
+
+def can_batch_prompts(rows: list[Row]) -> bool:
+    """Whether these rows' (empty) caches can be merged into one left-padded batch for :func:`process_prompts`."""
+    return len(rows) > 1 and all(isinstance(c, _LEFT_PADDABLE) and c.empty() for row in rows for c in row.cache)
+
+
+def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tuple[list[Any], mx.array]:
+    """Run several whole prompts (rows with empty caches) through the model in one left-padded forward pass.
+
+    Returns the batched cache (rows in order) and the first generated token of each row, sampled lazily.
+    """
+    lengths = [len(p) for p in prompts]
+    padding = [max(lengths) - n for n in lengths]
+    inputs = mx.array([[0] * pad + p for p, pad in zip(prompts, padding, strict=True)], dtype=mx.uint32)
+    cache = [layer.merge([row.cache[i] for row in rows]) for i, layer in enumerate(rows[0].cache)]
+    for layer in cache:
+        if isinstance(layer, ArraysCache):
+            layer.left_padding = mx.array(padding)
+        else:
+            layer.prepare(left_padding=padding)
+    logits = model(inputs, cache=cache)[:, -1, :]
+    if any(row.processors for row in rows):
+        logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
+                                 for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
+    first = sample(rows, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    mx.async_eval(first)
+    for row in rows:
+        row.cache = []
+    return cache, first
+
+
+def sample(rows: list[Row], logprobs: mx.array) -> mx.array:
+    """One token per row: one sampler call when the rows sample alike, else one per row."""
+    first = rows[0]
+    if all(row.sampler_key == first.sampler_key for row in rows):
+        return first.sampler(logprobs)
+    return mx.concatenate([row.sampler(logprobs[i : i + 1]) for i, row in enumerate(rows)])
+
+
 class DecodeBatch:
     """The decoding requests, advanced together by :meth:`step`, one token each."""
 
@@ -107,18 +150,26 @@ class DecodeBatch:
 
     def add(self, row: Row, first_token: mx.array) -> None:
         """Join a row whose prompt is processed; ``first_token`` is what :func:`process_prompt` sampled."""
+        cache, row.cache = row.cache, []
         if not self.rows:
-            self.cache = row.cache
-            self.inputs = first_token.reshape(1)
-        elif len(self.rows) == 1:
-            self.cache = [mine.merge([mine, theirs]) for mine, theirs in zip(self.cache, row.cache, strict=True)]
-            self.inputs = mx.concatenate([self.inputs, first_token.reshape(1)])
+            self.cache, self.inputs, self.rows = cache, first_token.reshape(1), [row]
+            return
+        self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
+
+    def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
+        """Join rows processed together by :func:`process_prompts` (``cache`` in batched form)."""
+        if not self.rows and len(rows) == 1:
+            self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
+            return
+        if not self.rows:
+            self.cache, self.inputs = cache, first_tokens
         else:
-            for batched, theirs in zip(self.cache, row.cache, strict=True):
-                batched.extend(theirs.merge([theirs]))
-            self.inputs = mx.concatenate([self.inputs, first_token.reshape(1)])
-        row.cache = []
-        self.rows.append(row)
+            if len(self.rows) == 1:
+                self.cache = [c.merge([c]) for c in self.cache]
+            for mine, theirs in zip(self.cache, cache, strict=True):
+                mine.extend(theirs)
+            self.inputs = mx.concatenate([self.inputs, first_tokens])
+        self.rows.extend(rows)
 
     def remove(self, request_ids: set[str]) -> None:
         """Drop rows (finished or cancelled); their cache memory is released with them."""
@@ -150,7 +201,7 @@ class DecodeBatch:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self.inputs = self._sample(logprobs)
+        self.inputs = sample(self.rows, logprobs)
         mx.async_eval(self.inputs)
         return inputs.tolist()
 
@@ -159,9 +210,3 @@ class DecodeBatch:
             return logits
         rows = [row.process(inputs[i : i + 1], logits[i : i + 1]) for i, row in enumerate(self.rows)]
         return mx.concatenate(rows, axis=0)
-
-    def _sample(self, logprobs: mx.array) -> mx.array:
-        first = self.rows[0]
-        if all(row.sampler_key == first.sampler_key for row in self.rows):
-            return first.sampler(logprobs)
-        return mx.concatenate([row.sampler(logprobs[i : i + 1]) for i, row in enumerate(self.rows)])

@@ -4,8 +4,9 @@ Every MLX call happens on the engine thread. The event loop only puts commands i
 and reads events from each request's :class:`RequestHandle`; the engine thread applies the commands between steps,
 so a cancelled request leaves the batch within one prompt chunk or one decode step.
 
-One :meth:`BatchedEngine.step` is: schedule (:class:`Scheduler`, plain Python) → run the batch (prompt chunks, then
-one decode step for every decoding request) → post-process (emit tokens, finish requests, free their rows).
+One :meth:`BatchedEngine.step` is: schedule (:class:`Scheduler`, plain Python) → run the batch (prompt chunks, whole
+short prompts together in one pass, then one decode step for every decoding request) → post-process (emit tokens,
+finish requests, free their rows).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
-from mlxd.engine.batch import DecodeBatch, Row, process_prompt
+from mlxd.engine.batch import DecodeBatch, Row, can_batch_prompts, process_prompt, process_prompts
 from mlxd.engine.scheduler import Scheduler, SequenceState
 from mlxd.errors import Overloaded
 from mlxd.log import get_logger
@@ -184,8 +185,11 @@ class BatchedEngine:
     def step(self) -> None:
         """One engine step: schedule → run the batch → post-process."""
         plan = self.scheduler.schedule()
+        together = self._prompts_together(plan.prefill)
         for state, num_tokens in plan.prefill:
-            self._prefill(self._requests[state.request_id], num_tokens)
+            if state not in together:
+                self._prefill(self._requests[state.request_id], num_tokens)
+        self._prefill_together([self._requests[state.request_id] for state in together])
         tokens = self._decode()
         self._post_process(tokens)
         self.totals["num_steps"] += 1
@@ -206,6 +210,41 @@ class BatchedEngine:
         if first is not None:
             del self._prefilling[request.request_id]
             self.batch.add(row, first)
+
+    @staticmethod
+    def _prompts_together(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
+        """Whole prompts (one chunk each) worth one left-padded forward pass: the shortest ones, as many as keep
+        the padded batch within twice their real tokens."""
+        whole = sorted((s for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens),
+                       key=lambda s: s.num_prompt_tokens)
+        total, count = 0, 0
+        for i, state in enumerate(whole):
+            total += state.num_prompt_tokens
+            if (i + 1) * state.num_prompt_tokens <= 2 * total:
+                count = i + 1
+        return whole[:count] if count > 1 else []
+
+    def _prefill_together(self, group: list[Submitted]) -> None:
+        """Process whole short prompts in one forward pass; they join the decode batch together."""
+        if not group:
+            return
+        rows = [self._prefilling.get(s.request.request_id) or self._new_row(s.request) for s in group]
+        if not can_batch_prompts(rows):
+            for submitted in group:
+                self._prefill(submitted, submitted.state.num_prompt_tokens)
+            return
+        try:
+            cache, first = process_prompts(self.model, rows, [s.request.prompt for s in group])
+        except (ValueError, RuntimeError) as e:
+            for submitted in group:
+                self._fail(submitted.request.request_id, e)
+            return
+        for submitted in group:
+            state = submitted.state
+            self.scheduler.on_prefilled(state, state.num_prompt_tokens)
+            self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
+            del self._prefilling[submitted.request.request_id]
+        self.batch.add_batch(rows, cache, first)
 
     def _new_row(self, request: EngineRequest) -> Row:
         if request.sampling.seed is not None:
