@@ -109,6 +109,7 @@ def test_closed_non_streaming_request_is_aborted(server):
 
 def test_fifty_cancellations_leave_nothing_running_and_memory_at_baseline(server):
     base, port = server
+    httpx.delete(base + "/v1/cache").raise_for_status()  # what earlier tests left there
     baseline = wait_for(base, idle)
     for start in range(0, 50, 10):  # ten at a time: some wait, some prefill, most decode when closed
         socks = [open_request(port, {**LONG, "stream": True, "prompt": "word " * (5 + 40 * i)}) for i in range(10)]
@@ -118,4 +119,11 @@ def test_fifty_cancellations_leave_nothing_running_and_memory_at_baseline(server
             close_now(sock)
     after = wait_for(base, idle)
     assert after["totals"]["num_cancelled"] == baseline["totals"]["num_cancelled"] + 50
-    assert after["memory"]["active_bytes"] == baseline["memory"]["active_bytes"]
+    # Cancelled requests keep their processed prompt chunks in the prefix cache, within its budget; dropping
+    # the cache returns memory to the baseline exactly.
+    kept = httpx.get(base + "/v1/cache/stats").json()
+    assert kept["num_bytes"] <= kept["budget_bytes"]
+    # (the allocator rounds each buffer up a little, hence the 5% slack)
+    assert after["memory"]["active_bytes"] <= baseline["memory"]["active_bytes"] + 1.05 * kept["num_bytes"]
+    httpx.delete(base + "/v1/cache").raise_for_status()
+    assert status(base)["memory"]["active_bytes"] == baseline["memory"]["active_bytes"]

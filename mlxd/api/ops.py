@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Response, get
+from litestar import Controller, Response, delete, get
 from litestar.di import NamedDependency
 
 from mlxd.daemon import Daemon
@@ -26,3 +26,15 @@ class OpsController(Controller):
         """Running and waiting requests (phase, tokens, tok/s, TTFT), engine totals and memory."""
         daemon.require_ready()
         return {"model": daemon.name, **daemon.engine.status()}
+
+    @get("/v1/cache/stats")
+    async def cache_stats(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
+        """Prefix-cache entries, bytes against the budget, hits by kind, misses and tokens reused."""
+        daemon.require_ready()
+        return daemon.engine.cache_stats()
+
+    @delete("/v1/cache", status_code=200)
+    async def clear_cache(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
+        """Drop every prefix-cache entry (on the engine thread, between steps); returns the stats before."""
+        daemon.require_ready()
+        return {"cleared": await daemon.engine.clear_prefix_cache()}

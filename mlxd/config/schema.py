@@ -61,6 +61,8 @@ class EngineConfig(Base):
     max_kv_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Decode steps per batch size during warm-up, before /health turns ready.
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
+    prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
 
 
 class LoggingConfig(Base):

@@ -171,6 +171,13 @@ class DecodeBatch:
             self.inputs = mx.concatenate([self.inputs, first_tokens])
         self.rows.extend(rows)
 
+    def row_cache(self, request_id: str) -> list[Any]:
+        """One row's cache layers at batch size 1 (the batch's own cache when it is the only row, else a copy)."""
+        if len(self.rows) == 1:
+            return self.cache
+        index = self.request_ids.index(request_id)
+        return [layer.extract(index) for layer in self.cache]
+
     def remove(self, request_ids: set[str]) -> None:
         """Drop rows (finished or cancelled); their cache memory is released with them."""
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]

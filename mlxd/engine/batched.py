@@ -15,7 +15,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +23,15 @@ from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
-from mlxd.engine.batch import DecodeBatch, Row, can_batch_prompts, process_prompt, process_prompts
+from mlxd.engine.batch import (
+    DecodeBatch,
+    Row,
+    can_batch_prompts,
+    make_request_cache,
+    process_prompt,
+    process_prompts,
+)
+from mlxd.engine.prefix import PromptReuse, is_trimmable
 from mlxd.engine.scheduler import Scheduler, SequenceState
 from mlxd.errors import Overloaded
 from mlxd.log import get_logger
@@ -38,6 +46,9 @@ class Submitted:
     request: EngineRequest
     handle: RequestHandle
     state: SequenceState
+    # Tokens fed to the model after the prompt (every emitted token, and a stop token): with the prompt, what its
+    # cache holds, so that it can be kept for the next turn of a conversation.
+    generated: list[int] = field(default_factory=list)
 
 
 class BatchedEngine:
@@ -61,6 +72,9 @@ class BatchedEngine:
         self._lock = threading.Lock()
         self._pending: dict[str, Submitted] = {}  # submitted on the event loop, not yet applied here
         self._outbox: list[tuple[RequestHandle, Any]] = []  # events of this step, handed over together
+        self.reuse = PromptReuse(config.prefix_cache_bytes)
+        # Caches that cannot be trimmed (recurrent layers) hit only where snapshotted: at checkpoints.
+        self._trimmable = is_trimmable(make_request_cache(model, config.max_kv_size))
         self.totals = {
             "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
             "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
@@ -98,6 +112,17 @@ class BatchedEngine:
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Prefix-cache counters (thread-safe: the cache takes its own lock)."""
+        return self.reuse.stats()
+
+    async def clear_prefix_cache(self) -> dict[str, Any]:
+        """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("clear_cache", (loop, future)))
+        return await future
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -175,17 +200,34 @@ class BatchedEngine:
                 self._accept(arg)
             elif command == "cancel":
                 self._cancel(arg)
+            elif command == "clear_cache":
+                loop, future = arg
+                loop.call_soon_threadsafe(future.set_result, self.reuse.clear())
 
     def _accept(self, submitted: Submitted) -> None:
+        self._reuse_prefix(submitted)
         with self._lock:
             del self._pending[submitted.request.request_id]
             self.scheduler.add(submitted.state)
         self._requests[submitted.request.request_id] = submitted
 
+    def _reuse_prefix(self, submitted: Submitted) -> None:
+        """Start the prompt after the longest state the prefix cache holds for it."""
+        request, state = submitted.request, submitted.state
+        hit = self.reuse.lookup(request.prompt)
+        state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
+        if hit.cache is None:
+            return
+        row = self._new_row(request, hit.cache)
+        state.num_prefilled = hit.num_cached
+        if row.processors:
+            row.history = mx.array(request.prompt[: hit.num_cached], dtype=mx.uint32)
+
     def step(self) -> None:
         """One engine step: schedule → run the batch → post-process."""
         plan = self.scheduler.schedule()
-        together = self._prompts_together(plan.prefill)
+        # Whole short prompts share a forward pass, except where snapshots must land on checkpoints.
+        together = self._prompts_together(plan.prefill) if self._trimmable else []
         for state, num_tokens in plan.prefill:
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
@@ -199,12 +241,15 @@ class BatchedEngine:
         request, state = submitted.request, submitted.state
         row = self._prefilling.get(request.request_id) or self._new_row(request)
         start = state.num_prefilled
+        num_tokens = self.reuse.chunk_end(start, num_tokens, request.checkpoints, self._trimmable)
+        end = start + num_tokens
         try:
-            first = process_prompt(self.model, row, request.prompt[start : start + num_tokens],
-                                   last=start + num_tokens == len(request.prompt))
+            first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt))
         except (ValueError, RuntimeError) as e:
             self._fail(request.request_id, e)
             return
+        if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
+            self.reuse.keep(request.prompt[:end], row.cache)
         self.scheduler.on_prefilled(state, num_tokens)
         self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
         if first is not None:
@@ -246,10 +291,12 @@ class BatchedEngine:
             del self._prefilling[submitted.request.request_id]
         self.batch.add_batch(rows, cache, first)
 
-    def _new_row(self, request: EngineRequest) -> Row:
+    def _new_row(self, request: EngineRequest, cache: list[Any] | None = None) -> Row:
         if request.sampling.seed is not None:
             mx.random.seed(request.sampling.seed)
         row = Row.for_request(request.request_id, request.sampling, self.model, self.config.max_kv_size)
+        if cache is not None:
+            row.cache = cache
         self._prefilling[request.request_id] = row
         self.totals["num_requests"] += 1
         self.totals["num_prompt_tokens"] += len(request.prompt)
@@ -273,12 +320,15 @@ class BatchedEngine:
             if reason is not None:
                 finished[request_id] = reason
         if finished:
+            for request_id in finished:
+                self._keep_decoded(request_id)
             self.batch.remove(set(finished))
             for request_id, reason in finished.items():
                 self._finish(request_id, reason)
 
     def _emit(self, submitted: Submitted, token: int) -> str | None:
         state = submitted.state
+        submitted.generated.append(token)
         if state.first_token_at is None:
             state.first_token_at = time.monotonic()
         if token in submitted.request.stop_token_ids:
@@ -291,7 +341,16 @@ class BatchedEngine:
     def _finish(self, request_id: str, reason: str) -> None:
         submitted = self._release(request_id)
         if submitted is not None:
-            self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt)))
+            state = submitted.state
+            self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt),
+                                           num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit))
+
+    def _keep_decoded(self, request_id: str) -> None:
+        """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns."""
+        submitted = self._requests.get(request_id)
+        if submitted is not None and self.reuse.cache is not None:
+            tokens = submitted.request.prompt + submitted.generated
+            self.reuse.keep(tokens, self.batch.row_cache(request_id))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         log.error("request_failed", request_id=request_id, error=str(error))
@@ -304,6 +363,8 @@ class BatchedEngine:
     def _cancel(self, request_id: str) -> None:
         if request_id not in self._requests:
             return  # already finished: cancel is idempotent
+        if request_id in self.batch.request_ids:
+            self._keep_decoded(request_id)
         self.batch.remove({request_id})
         self.totals["num_cancelled"] += 1
         self._finish(request_id, "cancelled")

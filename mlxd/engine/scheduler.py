@@ -34,6 +34,9 @@ class SequenceState:
     num_generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    # How the prefix cache served the prompt.
+    cache_hit: str = "miss"
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_remaining(self) -> int:
@@ -52,6 +55,7 @@ class SequenceState:
             "phase": self.phase,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_prefilled_tokens": self.num_prefilled,
+            "cache_hit": {"kind": self.cache_hit, "num_tokens": self.num_cached_tokens},
             "num_generated_tokens": self.num_generated,
             "tokens_per_s": round((self.num_generated - 1) / elapsed, 2) if elapsed > 0 else None,
             "ttft_s": round(first - self.submitted_at, 4) if first is not None else None,
