@@ -41,6 +41,7 @@ def test_agent_conversation_hits_and_equals_cold_runs(model_fixture, request, tm
         + '[[stages]]\ntype = "prefill"\nchunk_size = 64\n[[stages]]\ntype = "decode"\n[[stages]]\ntype = "detokenize"\n')
     with app_client(config) as (client, _):
         messages = [{"role": "system", "content": SYSTEM}]
+        previous_prompt = 0
         for turn, user in enumerate(USER_TURNS):
             messages.append({"role": "user", "content": user})
             warm = chat(client, messages)
