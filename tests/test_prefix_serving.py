@@ -9,7 +9,7 @@ import pytest
 from mlx_lm import load
 
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token
 from mlxd.engine.batched import BatchedEngine
 from tests.helpers import app_client, write_config
 from tests.test_batched_engine import CountingModel, solo_tokens
@@ -104,5 +104,39 @@ def test_a_k_token_hit_processes_exactly_n_minus_k_prompt_tokens(tiny_model_dir)
         assert processed - 6 == n - k  # six decode steps of one token each; the rest is the uncached prompt
         assert second == solo_tokens(model, second_prompt, 6)
         mx.clear_cache()
+    finally:
+        engine.stop()
+
+
+def test_cancelled_prefills_keep_their_chunks_within_the_budget(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    budget = 256 * 1024
+    engine = BatchedEngine(model, EngineConfig(max_running=2, prefill_chunk=8, step_token_budget=8,
+                                               prefix_cache_bytes=budget))
+    engine.start()
+    mx.synchronize()
+    baseline = mx.get_active_memory()
+
+    async def cancel_after_two_chunks(request: EngineRequest) -> None:
+        handle = engine.submit(request)
+        async for event in handle.events():
+            if isinstance(event, Progress) and event.num_processed >= 16:
+                handle.cancel()
+                return
+
+    try:
+        prompts = [tokenizer.encode(f"Soak prompt number {i}: " + "tokens of a long prompt " * 12) for i in range(20)]
+        for i, prompt in enumerate(prompts):
+            asyncio.run(cancel_after_two_chunks(EngineRequest(request_id=f"s{i}", prompt=prompt, max_tokens=4)))
+            assert engine.cache_stats()["num_bytes"] <= budget
+        # The last cancelled prompt's processed chunks are reused: its work was kept.
+        tokens, finished = run(engine, EngineRequest(request_id="again", prompt=prompts[-1], max_tokens=4))
+        assert finished.num_cached_tokens >= 16 and tokens == solo_tokens(model, prompts[-1], 4)
+        assert engine.status()["running"] == [] and engine.status()["waiting"] == []
+        mx.synchronize()
+        kept = engine.cache_stats()["num_bytes"]
+        assert kept <= budget
+        # Snapshots are the only memory the soak leaves behind (the allocator rounds each buffer up a little).
+        assert mx.get_active_memory() <= baseline + 1.05 * kept
     finally:
         engine.stop()

@@ -98,7 +98,10 @@ class RequestHandle:
         for handle, event in events:
             by_loop.setdefault(handle._loop, []).append((handle, event))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # a closed event loop: nobody is listening to these requests any more
+                continue
 
     def cancel(self) -> None:
         if not self.done:
