@@ -14,7 +14,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("api"), tiny_model_dir, model_extra="context_length = 256")
+    config = write_config(tmp_path_factory.mktemp("api"), tiny_model_dir, model_extra="context_length = 512")
     with app_client(config) as (client, daemon):
         yield client, daemon
 
@@ -132,8 +132,8 @@ def test_model_aliases_and_listing(served):
         ({"temperature": "hot"}, "temperature", "Expected"),
         ({"messages": "hello"}, "messages", "Expected"),
         ({"max_tokens": 0}, "max_tokens", ">= 1"),
-        ({"max_tokens": 250}, "max_tokens", "exceeds the context"),
-        ({"messages": [{"role": "user", "content": "word " * 300}]}, "messages", "context"),
+        ({"max_tokens": 500}, "max_tokens", "exceeds the context"),
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages", "context"),
         ({"bogus_field": 1}, "bogus_field", "unknown field"),
         ({"n": 2}, "n", "not supported"),
         ({"tool_choice": "required"}, "tool_choice", "not supported"),
@@ -187,3 +187,16 @@ def test_health_status_and_openapi(served):
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     ref = body["$ref"].rsplit("/", 1)[-1]
     assert "messages" in schema["components"]["schemas"][ref]["properties"]
+
+
+def test_tools_and_tool_calls_render_exactly_as_sent(served, reference):
+    client, _ = served
+    _, tokenizer = reference
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    messages = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "print(1)"}]
+    expected = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    body = chat(client, messages=messages, tools=tools, max_tokens=1).json()
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False))

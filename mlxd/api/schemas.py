@@ -37,7 +37,8 @@ class FunctionCall(Lenient, kw_only=True):
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(Lenient, kw_only=True):
+class ToolCall(msgspec.Struct, kw_only=True):
+    # Defaults are kept on output: templates render tool calls as given, `type` included.
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -60,7 +61,8 @@ class FunctionSpec(Lenient, kw_only=True):
 
 
 class ToolSpec(Lenient, kw_only=True):
-    type: Literal["function"] = "function"
+    # Required (as in the OpenAI API) so that templates that render tools as JSON see it.
+    type: Literal["function"]
     function: FunctionSpec
 
 
