@@ -54,7 +54,7 @@ TURNS = [
 ]
 
 
-def system_prompt(num_rules: int = 40) -> str:
+def system_prompt(num_rules: int = 18) -> str:
     lines = ["You are a careful coding agent working in a Python repository. Follow these rules:"]
     lines += [f"{i + 1}. {RULES[i % len(RULES)]} (rule {i + 1})" for i in range(num_rules)]
     return "\n".join(lines)
@@ -101,7 +101,8 @@ def conversation(port: int, model: str, max_tokens: int) -> list[dict]:
     return rows
 
 
-def server_commands(args, model_path: Path, tmp: Path) -> list[tuple[str, list[str]]]:
+def server_commands(args, model_path: Path, tmp: Path) -> list[tuple[str, list[str], str]]:
+    """(label, command, the model name its requests use) per server."""
     specs = []
     for name in args.servers.split(","):
         port = loadgen.free_port()
@@ -109,13 +110,14 @@ def server_commands(args, model_path: Path, tmp: Path) -> list[tuple[str, list[s
             config = tmp / "agent.toml"
             config.write_text(f'pipeline = "{ROOT}/pipelines/chat.toml"\n[model]\nsource = "{model_path}"\n'
                               f'name = "agent"\n[logging]\nformat = "json"\n')
-            specs.append(("mlxd", [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)]))
+            specs.append(("mlxd", [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)],
+                          "agent"))
         elif name == "mlx_lm":
             specs.append(("mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model_path),
-                                             "--port", str(port)]))
+                                             "--port", str(port)], str(model_path)))
         elif name == "vllm_mlx" and args.vllm_python:
             specs.append(("vllm-mlx", [args.vllm_python, "-m", "vllm_mlx.cli", "serve", str(model_path), "--port",
-                                       str(port), "--continuous-batching"]))
+                                       str(port), "--continuous-batching"], str(model_path)))
     return specs
 
 
@@ -157,11 +159,11 @@ def main() -> None:
     model_path = build_model(Path(args.model_dir))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, command in server_commands(args, model_path, Path(tmp)):
+        for label, command, model_name in server_commands(args, model_path, Path(tmp)):
             port = loadgen.port_of(command)
             print(label, flush=True)
             with loadgen.serve(command, port, Path(tmp) / f"{port}.log", "/health" if label == "mlxd" else "/v1/models"):
-                results[label] = conversation(port, "agent", args.max_tokens)
+                results[label] = conversation(port, model_name, args.max_tokens)
     text = report(results, args)
     if args.out:
         Path(args.out).write_text(text)
