@@ -74,11 +74,49 @@ def measure(port: int, repeats: int) -> dict[str, float]:
     stream(port, short_prompt, 8)  # warm
     prefill, decode = [], []
     for _ in range(repeats):
+        httpx.delete(f"http://127.0.0.1:{port}/v1/cache").raise_for_status()  # a cold prompt every time
         ttft, _, num_prompt = stream(port, long_prompt, 1)
         prefill.append(num_prompt / ttft)
         _, times, _ = stream(port, short_prompt, 128)
         decode.append((len(times) - 1) / (times[-1] - times[0]))
     return {"prefill": statistics.median(prefill), "decode": statistics.median(decode), "prompt": num_prompt}
+
+
+DIRECT = """
+import json, statistics, sys, time
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import dequantize_model
+from mlxd.models.default_model import resolve_embedded
+model, tok = load(str(resolve_embedded()))
+model = dequantize_model(model)
+model.set_dtype(mx.float32)
+mx.eval(model.parameters())
+messages = [{"role": "user", "content": sys.argv[2]}]
+long = mx.array(tok.apply_chat_template(messages, add_generation_prompt=True))
+short = mx.array(tok.encode("Tell me a long story about a lighthouse keeper."))
+mx.eval(model(long[None]))
+prefill, decode = [], []
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    mx.eval(model(long[None]))
+    prefill.append(long.size / (time.perf_counter() - start))
+    times = [time.perf_counter() for _ in generate_step(short, model, max_tokens=128)]
+    decode.append((len(times) - 1) / (times[-1] - times[0]))
+print(json.dumps({"prefill": statistics.median(prefill), "decode": statistics.median(decode), "prompt": long.size}))
+"""
+
+
+def direct(repeats: int) -> dict[str, float]:
+    """mlx-lm's generate_step in a process of its own, OpenBLAS preloaded: the ceiling for the default row."""
+    from mlxd.runtime.blas import find_openblas
+
+    lib = find_openblas()
+    env = {**os.environ, "LD_PRELOAD": str(lib) if lib else ""}
+    out = subprocess.run([sys.executable, "-c", DIRECT, str(repeats), PARAGRAPH * 12 + "Summarize."],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -87,8 +125,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = {}
     settings = (("float32 + OpenBLAS (default)", {}, "auto"),
-                ("float32, bundled BLAS", {"MLXD_OPENBLAS": "0"}, "auto"),
-                ("native Q4_1/Q8_0, bundled BLAS", {"MLXD_OPENBLAS": "0"}, "native"))
+                ("float32, bundled BLAS", {"MLXD_OPENBLAS": "0", "LD_PRELOAD": ""}, "auto"),
+                ("native Q4_1/Q8_0, bundled BLAS", {"MLXD_OPENBLAS": "0", "LD_PRELOAD": ""}, "native"))
     for label, env, dtype in settings:
         proc = start(18765, env, dtype)
         try:
@@ -97,6 +135,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         print(label, rows[label], flush=True)
+    rows["mlx-lm generate_step, float32 + OpenBLAS (no HTTP)"] = direct(args.repeats)
+    print("direct", rows["mlx-lm generate_step, float32 + OpenBLAS (no HTTP)"], flush=True)
     base = rows["float32 + OpenBLAS (default)"]
     lines = [
         "# Default model (SmolLM2-135M-Instruct) through HTTP",
