@@ -12,8 +12,6 @@ import msgspec
 from mlxd.config.schema import DaemonConfig, PipelineSpec
 from mlxd.errors import ConfigError
 
-PIPELINE_FILE_SCHEMA = PipelineSpec
-
 
 def read_toml(path: Path) -> dict[str, Any]:
     try:
@@ -71,7 +69,7 @@ def resolve_pipeline(config: DaemonConfig, config_path: Path) -> tuple[str, list
         candidates = [d / f"{spec}.toml" for d in pipeline_search_dirs(config_path)]
     for file in candidates:
         if file.is_file():
-            stages = convert(read_toml(file), PIPELINE_FILE_SCHEMA, str(file)).stages
+            stages = convert(read_toml(file), PipelineSpec, str(file)).stages
             return str(file), stages
     tried = ", ".join(str(c) for c in candidates)
     raise ConfigError(f"{config_path}: pipeline {spec!r} not found (looked for {tried})")

@@ -38,14 +38,16 @@ class Row:
     cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
 
     @classmethod
-    def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int) -> Row:
+    def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
+                    cache: list[Any] | None = None) -> Row:
+        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache."""
         key = (params.temperature, params.top_p, params.min_p, params.top_k)
         return cls(
             request_id=request_id,
             sampler=make_request_sampler(params),
             sampler_key=key,
             processors=make_request_processors(params),
-            cache=make_request_cache(model, max_kv_size),
+            cache=cache if cache is not None else make_request_cache(model, max_kv_size),
         )
 
     def process(self, tokens: mx.array, logits: mx.array) -> mx.array:

@@ -294,9 +294,7 @@ class BatchedEngine:
     def _new_row(self, request: EngineRequest, cache: list[Any] | None = None) -> Row:
         if request.sampling.seed is not None:
             mx.random.seed(request.sampling.seed)
-        row = Row.for_request(request.request_id, request.sampling, self.model, self.config.max_kv_size)
-        if cache is not None:
-            row.cache = cache
+        row = Row.for_request(request.request_id, request.sampling, self.model, self.config.max_kv_size, cache)
         self._prefilling[request.request_id] = row
         self.totals["num_requests"] += 1
         self.totals["num_prompt_tokens"] += len(request.prompt)
