@@ -12,11 +12,15 @@ class MlxdError(Exception):
 
     status: int = 500
     type: str = "server_error"
+    # Seconds a client should wait before retrying (429 and 503 answers carry it as ``Retry-After``).
+    retry_after: float | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class ConfigError(MlxdError):
@@ -54,22 +58,28 @@ class ContextLengthExceeded(RequestError):
 
 
 class Overloaded(MlxdError):
-    """Queues are full; the client should retry later."""
+    """Queues are full; the client should retry later (``retry_after`` reflects the queue)."""
 
     status = 429
     type = "rate_limit_error"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+    retry_after = 1.0
 
 
 class NotReady(MlxdError):
+    """Loading, draining for shutdown, queued too long, or the engine is gone."""
+
     status = 503
     type = "service_unavailable"
+    retry_after = 5.0
 
 
 class EngineError(MlxdError):
-    """A failure inside the engine while serving one request."""
+    """A failure inside the engine while serving one request; ``status`` 503 when the server is going away."""
 
     type = "server_error"
+
+    def __init__(self, message: str, *, status: int = 500, retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.status = status
+        if status == 503:
+            self.type = "service_unavailable"

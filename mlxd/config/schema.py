@@ -18,6 +18,9 @@ class ServerConfig(Base):
     # Seconds of silence after which a streaming response gets an SSE comment, so proxies keep it open.
     keepalive_s: float = 5.0
     cors_origins: list[str] = []
+    # On SIGTERM: stop accepting (503 with Retry-After), let running requests finish for this long, then end the
+    # rest with a final error event and exit 0. A second signal exits at once.
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
 
 class SamplingDefaults(Base):
@@ -63,6 +66,12 @@ class EngineConfig(Base):
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
+    # A request that waits in the queue longer than this gets 503 instead of waiting forever (0: no limit).
+    max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    # Memory admission: the KV cache a request can grow to (prompt + max_tokens) is counted against this, less the
+    # weights and the prefix cache (which gives way first). 0: the device's recommended working set on Metal/CUDA,
+    # a share of RAM on the CPU.
+    memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class LoggingConfig(Base):

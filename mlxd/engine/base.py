@@ -7,7 +7,7 @@ touching the pipeline. Nothing here imports MLX: engines do, on their own thread
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import msgspec
@@ -58,9 +58,15 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Failed(msgspec.Struct, frozen=True):
-    """The engine could not serve this request; the stream ends here."""
+    """The engine could not serve this request; the stream ends here.
+
+    ``message`` is safe to show the client (no exception text, no paths: those go to the log). ``status`` is 500
+    for a failure inside the engine, 503 when the request was ended because the server is going away, waited in
+    the queue too long, or the engine is gone.
+    """
 
     message: str
+    status: int = 500
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -140,11 +146,27 @@ class Engine(Protocol):
     def start(self) -> None:
         """Start the engine thread and warm up; returns when the engine is ready to serve."""
 
+    # Why the engine thread ended on its own (None while it serves or after stop()); ``on_failure``, when set, is
+    # called with that reason from the engine thread as it ends.
+    failure: str | None
+    on_failure: Callable[[str], None] | None
+
     def stop(self) -> None:
         """Abort everything and join the engine thread."""
 
     def submit(self, request: EngineRequest) -> RequestHandle:
-        """Queue a request; raises ``Overloaded`` when the waiting queue is full. Call from the event loop."""
+        """Queue a request. Call from the event loop. Raises ``Overloaded`` (with ``retry_after``) when the queue
+        is full, ``NotReady`` once the engine has stopped or failed."""
+
+    def abort_all(self, message: str) -> None:
+        """End every request the engine holds with ``Failed(message, status=503)``; safe from any thread."""
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not ended yet (pending, waiting, running); safe from any thread."""
+
+    def retry_after_s(self) -> float:
+        """Seconds a client turned away now should wait, estimated from the queue (at least 1)."""
 
     def cancel(self, request_id: str) -> None:
         """Abort a request; safe to call from any thread, any number of times."""

@@ -32,6 +32,8 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
     kind: str = "text"
+    # Token ids valid in requests (logit_bias keys, prompt ids): 0 <= id < vocab_size.
+    vocab_size: int = 0
 
 
 @dataclass(slots=True)
@@ -57,7 +59,10 @@ class Stage:
         """Load what the stage needs; called once, before the server reports ready."""
 
     def prepare(self, job: Job) -> None:
-        """Shape the request in place. Raise ``RequestError`` for requests the stage cannot honour."""
+        """Shape the request in place. Raise ``RequestError`` for requests the stage cannot honour.
+
+        Runs on a worker thread, not the event loop (it may render and tokenize large prompts): it must not
+        touch asyncio objects, and several requests may be prepared at once."""
 
     def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Transform the response stream; the default passes it through unchanged."""
