@@ -1,59 +1,92 @@
-"""Every error leaves mlxd in the OpenAI error shape, from this one place."""
+"""Every error leaves mlxd in the OpenAI error shape, from this one place.
+
+What a client sees is safe to show: no traceback, no exception repr, no filesystem path (absolute paths are
+replaced by ``<path>``), and values echoed from the request are clipped. Unexpected errors get a generic message
+with the request id; their details go to the log.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 
-import msgspec
+import structlog
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, SerializationException, ValidationException
+from litestar.exceptions import HTTPException, ValidationException
 
 from mlxd.api.schemas import ErrorBody, ErrorDetail
-from mlxd.errors import MlxdError, Overloaded
+from mlxd.errors import MlxdError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.api")
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+CLIP = 64
+MAX_MESSAGE = 1024
+# An absolute path: POSIX with at least two segments (API routes under /v1/ and /docs/ excepted), home-relative,
+# or a Windows drive path. It must start a word, so that "application/json" is left alone.
+_PATH = re.compile(r"(?<![\w/.~-])(?:~|/(?!v1/|docs/))[\w.@+-]*/[^\s'\"`,;:)\]}]*|\b[A-Za-z]:\\[^\s'\"`,;:)\]}]*")
+# A quoted value longer than CLIP characters: msgspec echoes unknown field names and enum values this way.
+_LONG_QUOTED = re.compile(rf"(['`])([^'`]{{{CLIP}}})[^'`]+(\1|$)")
+
+
+def clip(text: str, limit: int = CLIP) -> str:
+    """``text`` itself when short, else its first ``limit`` characters and an ellipsis (echoing client values)."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def redact(message: str) -> str:
+    """The message with absolute paths replaced by ``<path>`` and long quoted values clipped."""
+    message = _PATH.sub("<path>", message[: 16 * MAX_MESSAGE])
+    message = _LONG_QUOTED.sub(lambda m: f"{m[1]}{m[2]}…{m[3]}", message)
+    return clip(message, MAX_MESSAGE)
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> Response[ErrorBody]:
-    body = ErrorBody(ErrorDetail(message=message, type=type_, param=param, code=type_))
+    body = ErrorBody(ErrorDetail(message=redact(message), type=type_, param=param and clip(param), code=type_))
     return Response(body, status_code=status, headers=headers)
 
 
+def _retry_after(exc: MlxdError) -> dict[str, str] | None:
+    if exc.status not in (429, 503) or exc.retry_after is None:
+        return None
+    return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+
+
 def handle_mlxd_error(_: Request, exc: MlxdError) -> Response[ErrorBody]:
-    headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if isinstance(exc, Overloaded) else None
-    return error_response(exc.status, exc.message, exc.type, exc.param, headers)
+    return error_response(exc.status, exc.message, exc.type, exc.param, _retry_after(exc))
 
 
 def handle_validation(_: Request, exc: ValidationException) -> Response[ErrorBody]:
+    """Litestar's own validation: path and query parameters, and a missing body (``data``). Bodies themselves are
+    decoded by ``mlxd.api.body``, which raises ``RequestError``."""
     details = [d for d in exc.extra if isinstance(d, dict)] if isinstance(exc.extra, list) else []
-    parts, params = [], []
-    for detail in details:
-        # Litestar names the whole body `data`; the field is then in msgspec's message.
-        key, text = detail.get("key"), str(detail.get("message"))
-        unknown = re.search(r"unknown field `([^`]+)`", text)
-        param = unknown.group(1) if unknown else (None if key == "data" else key)
-        params.append(param)
-        parts.append(f"`{param}`: {text}" if param and not unknown else text)
-    message = "invalid request body: " + ("; ".join(parts) if parts else str(exc.detail))
-    return error_response(400, message, "invalid_request_error", params[0] if params else None)
+    keys = [d.get("key") for d in details]
+    if "data" in keys:
+        return error_response(400, "the request body is empty; send a JSON object", "invalid_request_error")
+    parts = [f"`{key}`: {d.get('message')}" if key else str(d.get("message")) for key, d in zip(keys, details, strict=True)]
+    message = "invalid request: " + ("; ".join(parts) if parts else str(exc.detail))
+    return error_response(400, message, "invalid_request_error", keys[0] if keys else None)
 
 
-def handle_http(_: Request, exc: HTTPException) -> Response[ErrorBody]:
+def handle_http(request: Request, exc: HTTPException) -> Response[ErrorBody]:
     status = exc.status_code
-    message = str(exc.detail)
-    if isinstance(exc.__cause__, SerializationException | msgspec.DecodeError):
-        message = f"malformed JSON body: {message}"
-    return error_response(status, message, _TYPES.get(status, "server_error"), headers=exc.headers)
+    if status >= 500:
+        return _internal_error(request, exc)
+    return error_response(status, str(exc.detail), _TYPES.get(status, "invalid_request_error"), headers=exc.headers)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response[ErrorBody]:
-    log.exception("unhandled_error", path=request.url.path)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    return _internal_error(request, exc)
+
+
+def _internal_error(request: Request, exc: Exception) -> Response[ErrorBody]:
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+    log.error("unhandled_error", path=request.url.path, exc_info=exc)
+    where = f" (request {request_id})" if request_id else ""
+    return error_response(500, f"internal error{where}; the details are in the server log", "server_error")
 
 
 EXCEPTION_HANDLERS = {

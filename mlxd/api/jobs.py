@@ -6,6 +6,7 @@ import uuid
 
 import msgspec
 
+from mlxd.api.errors import clip
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.config.schema import SamplingDefaults
 from mlxd.engine.base import SamplingParams
@@ -18,18 +19,11 @@ def new_request_id(prefix: str) -> str:
 
 
 def _check_common(body: SamplingFields) -> None:
+    # Ranges are checked when the body is decoded (msgspec.Meta in mlxd.api.schemas); these are features.
     if body.n != 1:
         raise RequestError(f"n={body.n} is not supported; mlxd returns one choice per request", param="n")
     if body.logprobs:
         raise RequestError("logprobs are not supported yet", param="logprobs")
-    if body.temperature is not None and body.temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {body.temperature}", param="temperature")
-    if body.top_p is not None and not 0 < body.top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
-    if body.min_p is not None and not 0 <= body.min_p <= 1:
-        raise RequestError(f"min_p must be in [0, 1], got {body.min_p}", param="min_p")
-    if body.top_k is not None and body.top_k < 0:
-        raise RequestError(f"top_k must be >= 0, got {body.top_k}", param="top_k")
 
 
 def _sampling(body: SamplingFields, defaults: SamplingDefaults) -> SamplingParams:
@@ -47,12 +41,8 @@ def _sampling(body: SamplingFields, defaults: SamplingDefaults) -> SamplingParam
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError as e:
-        raise RequestError("logit_bias keys must be token ids", param="logit_bias") from e
+    # Keys are decimal token ids (a pattern in the schema), so int() cannot fail.
+    return {int(token): value for token, value in bias.items()} if bias else None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -60,12 +50,6 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     if len(stops) > 16:
         raise RequestError(f"at most 16 stop sequences are allowed, got {len(stops)}", param="stop")
     return [s for s in stops if s]
-
-
-def _max_tokens(value: int | None, param: str) -> int | None:
-    if value is not None and value < 1:
-        raise RequestError(f"{param} must be >= 1, got {value}", param=param)
-    return value
 
 
 def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults) -> Job:
@@ -82,7 +66,8 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         tools = None
     elif body.tool_choice not in (None, "auto"):
         raise RequestError(
-            f"tool_choice {body.tool_choice!r} is not supported yet; use 'auto' or 'none'", param="tool_choice"
+            f"tool_choice {clip(str(body.tool_choice))!r} is not supported yet; use 'auto' or 'none'",
+            param="tool_choice",
         )
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return Job(
@@ -91,7 +76,7 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         messages=msgspec.to_builtins(body.messages),
         tools=tools,
         template_kwargs=body.chat_template_kwargs or {},
-        max_tokens=_max_tokens(limit, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"),
+        max_tokens=limit,
         sampling=_sampling(body, defaults),
         stop=_stops(body.stop),
     )
@@ -107,7 +92,7 @@ def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaul
         request_id=new_request_id("cmpl"),
         model=model,
         prompt=body.prompt,
-        max_tokens=_max_tokens(body.max_tokens, "max_tokens"),
+        max_tokens=body.max_tokens,
         sampling=_sampling(body, defaults),
         stop=_stops(body.stop),
     )

@@ -12,6 +12,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from mlxd.api import jobs, respond
+from mlxd.api.body import StrictJSON
 from mlxd.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -26,6 +27,7 @@ from mlxd.api.schemas import (
     ModelCard,
     ModelList,
 )
+from mlxd.api.validate import check_against_model
 from mlxd.daemon import Daemon
 from mlxd.pipeline.job import Done
 
@@ -48,13 +50,14 @@ class OpenAIController(Controller):
     path = "/v1"
     tags = ["OpenAI"]
 
-    @post("/chat/completions", status_code=200)
+    @post("/chat/completions", status_code=200, dto=StrictJSON[ChatCompletionRequest], return_dto=None)
     async def chat_completions(
         self, request: Request, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon]
     ) -> ChatCompletion | EventStream:
         """Chat completion, streaming (SSE) or not, in the OpenAI format."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
+        check_against_model(data, daemon.model_info)
         job = jobs.chat_job(data, model, daemon.config.model.sampling)
         events, trace = await respond.start(daemon.pipeline, job, "chat")
         created = int(time.time())
@@ -78,13 +81,14 @@ class OpenAIController(Controller):
         )
         return EventStream(frames)
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, dto=StrictJSON[CompletionRequest], return_dto=None)
     async def completions(
         self, request: Request, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon]
     ) -> Completion | EventStream:
         """Text completion of a raw prompt (no chat template)."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
+        check_against_model(data, daemon.model_info)
         job = jobs.completion_job(data, model, daemon.config.model.sampling)
         events, trace = await respond.start(daemon.pipeline, job, "completions")
         created = int(time.time())

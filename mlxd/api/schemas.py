@@ -3,13 +3,43 @@
 Requests reject unknown top-level fields (a typo is a 400, not a silent ignore); the fields listed as
 ``NO-OP`` are accepted for compatibility and have no effect (see README). Message objects accept extra keys,
 because agents echo back whatever earlier responses contained.
+
+The ranges of the sampling fields live here, as ``msgspec.Meta`` constraints: they are enforced when a body is
+decoded (``mlxd.api.body``) and published in the OpenAPI document. What depends on the loaded model (token ids
+below the vocabulary size) is checked by ``mlxd.api.validate``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+# ---- ranges (a value outside is a 400 naming the field; nothing is clamped) ----
+
+
+def _range(description: str | None = None, **bounds: float) -> Meta:
+    # Litestar leaves a bound of 0 out of the OpenAPI document (it tests the value's truth), so zeros are repeated
+    # as schema extras there; msgspec enforces the bounds themselves.
+    names = {"ge": "minimum", "gt": "exclusive_minimum", "le": "maximum", "lt": "exclusive_maximum"}
+    zeros = {names[key]: 0 for key, value in bounds.items() if value == 0}
+    return Meta(description=description, extra_json_schema={"extra": zeros} if zeros else None, **bounds)
+
+
+Temperature = Annotated[float, _range("0 is greedy", ge=0, le=2)]
+TopP = Annotated[float, _range(gt=0, le=1)]
+TopK = Annotated[int, _range("0 is off; below the model's vocabulary size", ge=0)]
+MinP = Annotated[float, _range("0 is off", ge=0, le=1)]
+Penalty = Annotated[float, _range(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, _range("1 is off", gt=0)]
+Seed = Annotated[int, _range(ge=0, le=2**63 - 1)]
+MaxTokens = Annotated[int, _range(ge=1)]
+TokenId = Annotated[int, _range("below the model's vocabulary size", ge=0)]
+# A token id as a JSON object key: decimal digits only, no sign, spaces, exponent or leading zero. The end is
+# `(?![\s\S])`, not `$`, which in Python also matches before a final newline ("5\n").
+TokenIdKey = Annotated[str, Meta(pattern=r"^(0|[1-9][0-9]{0,9})(?![\s\S])")]
+Bias = Annotated[float, _range(ge=-100, le=100)]
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -79,21 +109,21 @@ class SamplingFields(Strict, kw_only=True):
     """Fields shared by chat and text completions."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: bool | int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = None
     # NO-OP fields: accepted, no effect.
     user: str | None = None
     store: bool | None = None
@@ -103,7 +133,7 @@ class SamplingFields(Strict, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -115,7 +145,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
     echo: bool = False
     # NO-OP fields.
     best_of: int | None = None
