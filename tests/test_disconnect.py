@@ -4,6 +4,7 @@ leave the other requests untouched."""
 from __future__ import annotations
 
 import json
+import selectors
 import socket
 import threading
 import time
@@ -22,7 +23,8 @@ LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 20000, "tem
 def server(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disconnect")
     port = free_port()
-    extra = "[engine]\nmax_running = 8\nmax_waiting = 64\n"
+    # max_waiting 128: the storm test opens 100 streams at once, and none of them may be refused with a 429.
+    extra = "[engine]\nmax_running = 8\nmax_waiting = 128\n"
     config = write_config(tmp, tiny_model_dir, port=port, extra=extra)
     with serve_subprocess(config, port) as (base, _):
         yield base, port
@@ -57,10 +59,15 @@ def open_request(port: int, body: dict) -> socket.socket:
     return sock
 
 
+def has_text(received: bytes) -> bool:
+    """Whether an SSE frame with generated (non-empty) text is among the bytes received."""
+    return b'"text":"' in received.replace(b'"text":""', b"")
+
+
 def read_until_text(sock: socket.socket) -> None:
     """Read the SSE stream until a frame with generated text has arrived."""
     received = b""
-    while b'"text":"' not in received.replace(b'"text":""', b""):
+    while not has_text(received):
         chunk = sock.recv(4096)
         assert chunk, f"stream ended early: {received[-500:]!r}"
         received += chunk
@@ -125,5 +132,54 @@ def test_fifty_cancellations_leave_nothing_running_and_memory_at_baseline(server
     assert kept["num_bytes"] <= kept["budget_bytes"]
     # (the allocator rounds each buffer up a little, hence the 5% slack)
     assert after["memory"]["active_bytes"] <= baseline["memory"]["active_bytes"] + 1.05 * kept["num_bytes"]
+    httpx.delete(base + "/v1/cache").raise_for_status()
+    assert status(base)["memory"]["active_bytes"] == baseline["memory"]["active_bytes"]
+
+
+def greedy_text(base: str) -> str:
+    body = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0}
+    return httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+
+def close_each_at_its_first_text(socks: list[socket.socket], timeout: float) -> None:
+    """Watch every stream at once; close each the moment its first generated text arrives."""
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, bytearray())
+        deadline = time.monotonic() + timeout
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"{len(selector.get_map())} streams got no text within {timeout}s"
+            for key, _ in selector.select(timeout=remaining):
+                sock, received = key.fileobj, key.data
+                chunk = sock.recv(65536)
+                assert chunk, f"stream ended early: {bytes(received[-500:])!r}"
+                received += chunk
+                if has_text(received):
+                    selector.unregister(sock)
+                    close_now(sock)
+
+
+def test_a_storm_of_one_hundred_disconnects_leaves_the_engine_as_it_was(server):
+    """100 streams open at once (the server's max_waiting is 128, so none is refused: 8 run, the rest queue),
+    each closed right after its first generated text arrives. Afterwards nothing runs or waits, every request was
+    cancelled exactly once, the next greedy output equals the one before the storm, and once the prefix cache
+    (where cancelled requests keep their prompt work, by design) is dropped, memory is back at the baseline."""
+    base, port = server
+    httpx.delete(base + "/v1/cache").raise_for_status()
+    wait_for(base, idle)
+    expected = greedy_text(base)
+    httpx.delete(base + "/v1/cache").raise_for_status()
+    baseline = wait_for(base, idle)
+    started = time.monotonic()
+    bodies = [{**LONG, "stream": True, "prompt": f"Story {i}: " + "once upon a time " * (i % 13)} for i in range(100)]
+    close_each_at_its_first_text([open_request(port, body) for body in bodies], timeout=50)
+    after = wait_for(base, idle, timeout=10)
+    assert time.monotonic() - started < 60
+    assert after["totals"]["num_cancelled"] == baseline["totals"]["num_cancelled"] + 100
+    assert after["totals"]["num_failed"] == baseline["totals"]["num_failed"]
+    assert after["memory"]["kv_reserved_bytes"] == 0
+    assert greedy_text(base) == expected  # with the storm's snapshots still in the prefix cache
     httpx.delete(base + "/v1/cache").raise_for_status()
     assert status(base)["memory"]["active_bytes"] == baseline["memory"]["active_bytes"]

@@ -1,4 +1,5 @@
-"""The scheduler alone: queues, caps, chunked prompts and the per-step token budget; no model, no MLX."""
+"""The scheduler alone: queues, caps, chunked prompts, the per-step token budget and the KV byte budget; no model,
+no MLX."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import pytest
 from mlxd.engine.scheduler import Scheduler, SequenceState
 
 
-def seq(name: str, num_prompt: int, chunk: int = 8, max_tokens: int = 16) -> SequenceState:
-    return SequenceState(request_id=name, num_prompt_tokens=num_prompt, prefill_chunk=chunk, max_tokens=max_tokens)
+def seq(name: str, num_prompt: int, chunk: int = 8, max_tokens: int = 16, kv: int = 0) -> SequenceState:
+    return SequenceState(request_id=name, num_prompt_tokens=num_prompt, prefill_chunk=chunk, max_tokens=max_tokens,
+                         num_kv_bytes=kv)
+
+
+def admitted(scheduler: Scheduler) -> list[str]:
+    """Plan a step and return who runs (the plan's prompt chunks are not applied)."""
+    scheduler.schedule()
+    return [s.request_id for s in scheduler.running]
 
 
 def run_prompt(scheduler: Scheduler, limit: int = 100) -> list[list[tuple[str, int]]]:
@@ -135,3 +143,74 @@ def test_remove_from_either_queue_and_snapshot():
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="at least 1"):
         Scheduler(max_running=0, max_waiting=1, step_token_budget=1)
+
+
+def test_a_request_runs_only_when_its_kv_fits_and_waits_otherwise():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=250)
+    for name in "abc":
+        scheduler.add(seq(name, 4, kv=100))
+    assert admitted(scheduler) == ["a", "b"]  # a third row would make 300 bytes
+    assert scheduler.num_reserved_bytes == 200
+    assert [s.request_id for s in scheduler.waiting] == ["c"] and not scheduler.can_admit()
+
+
+def test_a_release_lets_the_waiting_request_in():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=250)
+    for name in "abc":
+        scheduler.add(seq(name, 4, kv=100))
+    scheduler.schedule()
+    scheduler.remove("a")
+    assert scheduler.num_reserved_bytes == 100
+    assert admitted(scheduler) == ["b", "c"]
+    scheduler.remove("b")
+    scheduler.remove("c")
+    assert scheduler.num_reserved_bytes == 0 and not scheduler.has_work
+
+
+def test_rows_are_counted_padded_to_the_largest_reservation():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=300)
+    scheduler.add(seq("a", 4, kv=100))
+    scheduler.add(seq("b", 4, kv=150))
+    scheduler.add(seq("small", 4, kv=10))
+    # The decode batch pads every row to the longest: two rows of 150, and a third would make 450.
+    assert admitted(scheduler) == ["a", "b"]
+    assert scheduler.num_reserved_bytes == 300
+    assert scheduler.num_reserved_bytes_with(scheduler.waiting[0]) == 450
+
+
+def test_nothing_overtakes_a_head_that_does_not_fit():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=300)
+    scheduler.add(seq("a", 4, kv=100))
+    assert admitted(scheduler) == ["a"]
+    scheduler.add(seq("big", 4, kv=250))
+    scheduler.add(seq("small", 4, kv=10))
+    # small alone would fit beside a (2 x 100), but big is first in line: FIFO, so big is not starved.
+    assert admitted(scheduler) == ["a"]
+    assert [s.request_id for s in scheduler.waiting] == ["big", "small"]
+    scheduler.remove("a")
+    assert admitted(scheduler) == ["big"]  # small beside big would be 2 x 250
+    scheduler.remove("big")
+    assert admitted(scheduler) == ["small"]
+
+
+def test_bytes_needed_include_the_head_only_when_it_could_be_admitted():
+    scheduler = Scheduler(max_running=2, max_waiting=8, step_token_budget=1000, kv_budget_bytes=0)
+    scheduler.add(seq("a", 4, kv=100))
+    assert scheduler.num_bytes_needed(1000) == 100  # a is the head and fits a budget of 1000
+    assert scheduler.num_bytes_needed(50) == 0  # it never fits 50: nothing to make room for
+    scheduler.kv_budget_bytes = 1000
+    scheduler.schedule()
+    scheduler.add(seq("b", 4, kv=200))
+    assert scheduler.num_bytes_needed(1000) == 400
+    assert scheduler.num_bytes_needed(300) == 100  # b would make 400: the running request's 100 only
+    scheduler.add(seq("c", 4, kv=1))
+    scheduler.schedule()
+    assert scheduler.num_running == 2
+    assert scheduler.num_bytes_needed(10_000) == 400  # no free slot for c: its bytes are not needed yet
+
+
+def test_no_kv_budget_means_no_byte_limit():
+    scheduler = Scheduler(max_running=4, max_waiting=4, step_token_budget=1000)
+    for name in "abcd":
+        scheduler.add(seq(name, 4, kv=10**15))
+    assert admitted(scheduler) == ["a", "b", "c", "d"]

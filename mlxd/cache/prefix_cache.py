@@ -149,6 +149,27 @@ class PrefixCache:
         if entry_id in self._store:
             self._store.pop(entry_id)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the snapshots hold now."""
+        with self._lock:
+            return self._store.num_bytes
+
+    def shrink(self, num_bytes: int) -> int:
+        """Evict least recently used entries until at most ``num_bytes`` are held; returns the bytes freed.
+
+        For memory that others need now (requests being admitted); the budget itself is unchanged. Entries pinned
+        by an insertion in progress stay.
+        """
+        with self._lock:
+            before = self._store.num_bytes
+            for victim in self._index.victims():
+                if self._store.num_bytes <= num_bytes:
+                    break
+                self._drop(victim)
+                self._counts["num_evictions"] += 1
+            return before - self._store.num_bytes
+
     def stats(self) -> dict[str, Any]:
         """Entries, bytes, budget, hits by kind, misses, tokens reused and insert/evict counters."""
         with self._lock:

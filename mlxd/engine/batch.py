@@ -12,18 +12,29 @@ model exactly as ``generate_step`` does (no mask, no padding), so a lone stream 
 
 Rows carry their own cache offsets (positions), so rows that need their own positions or input embeddings (vision
 prompts) fit the same step: only their prompt processing differs, in :func:`process_prompt`.
+
+Failures stay with their row where they can: :func:`check_request` keeps token ids outside the vocabulary away from
+MLX, and a decode step whose grouped sampling raises samples row by row, recording the rows that fail again in
+:attr:`DecodeBatch.errors` for the engine to end. A raising compiled sampler can leave MLX's global random state
+pointing at a broken array; :func:`reset_random_state` replaces it.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxd.engine.base import SamplingParams
+from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.sampling import make_request_processors, make_request_sampler
+
+# mx.random.seed takes an unsigned 64-bit integer.
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(slots=True, eq=False)
@@ -39,12 +50,13 @@ class Row:
 
     @classmethod
     def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
-                    cache: list[Any] | None = None) -> Row:
+                    cache: list[Any] | None = None, *,
+                    make_sampler: Callable[[SamplingParams], Any] = make_request_sampler) -> Row:
         """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache."""
         key = (params.temperature, params.top_p, params.min_p, params.top_k)
         return cls(
             request_id=request_id,
-            sampler=make_request_sampler(params),
+            sampler=make_sampler(params),
             sampler_key=key,
             processors=make_request_processors(params),
             cache=cache if cache is not None else make_request_cache(model, max_kv_size),
@@ -58,6 +70,49 @@ class Row:
         for processor in self.processors:
             logits = processor(self.history, logits)
         return logits
+
+
+class Refused(ValueError):
+    """A request the engine will not hand to MLX as asked; the message names the value and is safe to show."""
+
+
+def check_request(request: EngineRequest, vocab_size: int) -> SamplingParams:
+    """The request's sampling settings, safe to hand to MLX, or ``Refused``.
+
+    Token ids (prompt, ``logit_bias`` keys) must be in ``[0, vocab_size)``: MLX does not bounds-check gathers and
+    scatters, so one outside reads or writes memory it does not own. A seed must fit ``mx.random.seed``. A ``top_k``
+    that keeps the whole vocabulary is turned off: the same distribution, where mlx-lm's sampler would raise (and,
+    raising inside a compiled function, break the global random state). ``vocab_size`` 0 skips the id checks.
+    """
+    params = request.sampling
+    seed = params.seed
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise Refused(f"seed must be in [0, {MAX_SEED}], got {seed}")
+    if not vocab_size:
+        return params
+    bad = [token for token in params.logit_bias or () if not 0 <= token < vocab_size]
+    if bad:
+        raise Refused(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad[:5]}")
+    if request.prompt and not (0 <= min(request.prompt) and max(request.prompt) < vocab_size):
+        bad = [token for token in request.prompt if not 0 <= token < vocab_size]
+        raise Refused(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if params.top_k >= vocab_size:
+        return msgspec.structs.replace(params, top_k=0)
+    return params
+
+
+def reset_random_state() -> None:
+    """Give MLX's global random state a fresh key: after a failed graph it can point at an array that cannot be
+    evaluated, and every later sampled request would fail with it."""
+    mx.random.seed(secrets.randbits(64))
+
+
+def logits_width(model: Any) -> int:
+    """How many logits the model produces per position: token ids at or above it are outside its vocabulary.
+
+    Builds one position's forward pass without evaluating it: MLX knows the shape of a lazy array.
+    """
+    return model(mx.array([[0]], dtype=mx.uint32), cache=make_request_cache(model)).shape[-1]
 
 
 def make_request_cache(model: Any, max_kv_size: int = 0) -> list[Any]:
@@ -142,6 +197,9 @@ class DecodeBatch:
         self.cache: list[Any] = []
         # The tokens each row feeds into the next forward pass: sampled, not necessarily evaluated yet.
         self.inputs: mx.array | None = None
+        # Rows whose next token could not be computed in the last step (request id → error); their input is a
+        # placeholder. The engine ends them and empties this.
+        self.errors: dict[str, Exception] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -180,6 +238,10 @@ class DecodeBatch:
         index = self.request_ids.index(request_id)
         return [layer.extract(index) for layer in self.cache]
 
+    def clear(self) -> None:
+        """Drop every row without touching their caches (which a failed step may have left unusable)."""
+        self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
+
     def remove(self, request_ids: set[str]) -> None:
         """Drop rows (finished or cancelled); their cache memory is released with them."""
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
@@ -202,6 +264,9 @@ class DecodeBatch:
 
         Pipelined like ``generate_step``: the returned tokens were sampled by the previous step (or by prompt
         processing), and evaluating them overlaps with the computation just dispatched.
+
+        Raises when the shared work fails (the forward pass, evaluating the returned tokens): every row is lost.
+        A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
         inputs = self.inputs
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
@@ -210,12 +275,37 @@ class DecodeBatch:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self.inputs = sample(self.rows, logprobs)
-        mx.async_eval(self.inputs)
+        try:
+            self.inputs = sample(self.rows, logprobs)
+            mx.async_eval(self.inputs)
+        except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
+            self.inputs = self._sample_each(logprobs)
         return inputs.tolist()
+
+    def _sample_each(self, logprobs: mx.array) -> mx.array:
+        """Sample row by row, evaluating each token, so a failure lands on its own row (the slow path)."""
+        reset_random_state()
+        mx.eval(logprobs)  # raises when the forward pass itself failed: that is every row's loss
+        tokens = []
+        for i, row in enumerate(self.rows):
+            try:
+                token = row.sampler(logprobs[i : i + 1])
+                mx.eval(token)
+            except Exception as e:  # noqa: BLE001 - recorded in self.errors; the engine ends this row
+                reset_random_state()
+                self.errors[row.request_id] = e
+                token = mx.zeros((1,), dtype=mx.uint32)
+            tokens.append(token.astype(mx.uint32))
+        return mx.concatenate(tokens)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         if not any(row.processors for row in self.rows):
             return logits
-        rows = [row.process(inputs[i : i + 1], logits[i : i + 1]) for i, row in enumerate(self.rows)]
+        rows = []
+        for i, row in enumerate(self.rows):
+            try:
+                rows.append(row.process(inputs[i : i + 1], logits[i : i + 1]))
+            except Exception as e:  # noqa: BLE001 - recorded in self.errors; the engine ends this row
+                self.errors[row.request_id] = e
+                rows.append(logits[i : i + 1])
         return mx.concatenate(rows, axis=0)

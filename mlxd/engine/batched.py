@@ -7,15 +7,19 @@ so a cancelled request leaves the batch within one prompt chunk or one decode st
 One :meth:`BatchedEngine.step` is: schedule (:class:`Scheduler`, plain Python) → run the batch (prompt chunks, whole
 short prompts together in one pass, then one decode step for every decoding request) → post-process (emit tokens,
 finish requests, free their rows).
+
+A failure ends only the requests it must, with ``Failed`` and one ``request_failed`` log line each: the one request
+whose row could not be built, whose prompt chunk or sampler raised (a group of prompts processed together is retried
+one by one); every decoding request when the shared decode step breaks. The loop goes on, with MLX's random state
+and the decode batch reset. Should the thread end anyway, :attr:`BatchedEngine.failure` says why, every request ends
+with a 503 ``Failed``, :meth:`BatchedEngine.submit` refuses, and ``on_failure`` is called.
 """
 
 from __future__ import annotations
 
-import asyncio
 import queue
-import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -25,131 +29,62 @@ from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
 from mlxd.engine.batch import (
     DecodeBatch,
+    Refused,
     Row,
     can_batch_prompts,
+    check_request,
+    logits_width,
     make_request_cache,
     process_prompt,
     process_prompts,
+    reset_random_state,
 )
-from mlxd.engine.prefix import PromptReuse, is_trimmable
-from mlxd.engine.scheduler import Scheduler, SequenceState
-from mlxd.errors import Overloaded
+from mlxd.engine.front import EngineFront, Submitted
+from mlxd.engine.memory import measure_memory
+from mlxd.engine.prefix import is_trimmable
+from mlxd.engine.sampling import make_request_sampler
+from mlxd.engine.scheduler import SequenceState
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
 
 
-@dataclass(slots=True, eq=False)
-class Submitted:
-    """A request the engine has taken on: what was asked, where its events go, what the scheduler tracks."""
-
-    request: EngineRequest
-    handle: RequestHandle
-    state: SequenceState
-    # Tokens fed to the model after the prompt (every emitted token, and a stop token): with the prompt, what its
-    # cache holds, so that it can be kept for the next turn of a conversation.
-    generated: list[int] = field(default_factory=list)
+# What a failed request is told, by phase; the exception itself goes to the log only.
+_FAILED = {
+    "build": "the engine could not set up this request",
+    "prefill": "the engine failed while processing the prompt",
+    "sample": "the engine failed while sampling the next token",
+    "decode": "the engine failed while generating",
+}
 
 
-class BatchedEngine:
+
+class BatchedEngine(EngineFront):
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
 
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(self, model: Any, config: EngineConfig, *,
+                 make_sampler: Callable[[SamplingParams], Any] = make_request_sampler) -> None:
+        """``make_sampler`` builds each request's sampler (mlx-lm's by default)."""
+        super().__init__(config)
         self.model = model
-        self.config = config
-        self.scheduler = Scheduler(
-            max_running=config.max_running,
-            max_waiting=config.max_waiting,
-            step_token_budget=config.step_token_budget,
-        )
+        self._make_sampler = make_sampler
+        self.vocab_size = 0  # the model's logits width, learned at warm-up: token ids must be below it
         self.batch = DecodeBatch(model)
         self._requests: dict[str, Submitted] = {}
         self._prefilling: dict[str, Row] = {}  # rows whose prompt is still going in, each with its own cache
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
-        self._lock = threading.Lock()
-        self._pending: dict[str, Submitted] = {}  # submitted on the event loop, not yet applied here
         self._outbox: list[tuple[RequestHandle, Any]] = []  # events of this step, handed over together
-        self.reuse = PromptReuse(config.prefix_cache_bytes)
         # Caches that cannot be trimmed (recurrent layers) hit only where snapshotted: at checkpoints.
         self._trimmable = is_trimmable(make_request_cache(model, config.max_kv_size))
-        self.totals = {
-            "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
-            "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
-        }
 
-    # ---- event-loop side ----
-
-    def start(self) -> None:
-        self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
-
-    def stop(self) -> None:
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout=30)
-
-    def submit(self, request: EngineRequest) -> RequestHandle:
-        state = SequenceState(
-            request_id=request.request_id,
-            num_prompt_tokens=len(request.prompt),
-            prefill_chunk=request.prefill_chunk,
-            max_tokens=request.max_tokens,
-        )
-        submitted = Submitted(request, RequestHandle(request.request_id, self, asyncio.get_running_loop()), state)
-        with self._lock:
-            if not self.scheduler.can_add(num_pending=len(self._pending)):
-                raise Overloaded(
-                    f"{self.config.max_running} requests are running and {self.config.max_waiting} waiting "
-                    "(the most allowed); retry shortly"
-                )
-            self._pending[request.request_id] = submitted
-        self._inbox.put(("submit", submitted))
-        return submitted.handle
-
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    def cache_stats(self) -> dict[str, Any]:
-        """Prefix-cache counters (thread-safe: the cache takes its own lock)."""
-        return self.reuse.stats()
-
-    async def clear_prefix_cache(self) -> dict[str, Any]:
-        """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._inbox.put(("clear_cache", (loop, future)))
-        return await future
-
-    def status(self) -> dict[str, Any]:
-        with self._lock:
-            pending = [s.state for s in self._pending.values()]
-            running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
-        return {
-            "running": [s.snapshot() for s in running],
-            "waiting": [s.snapshot() for s in [*waiting, *pending]],
-            "limits": {
-                "max_running": self.config.max_running,
-                "max_waiting": self.config.max_waiting,
-                "step_token_budget": self.config.step_token_budget,
-            },
-            "totals": dict(self.totals),
-            "memory": {
-                "active_bytes": mx.get_active_memory(),
-                "peak_bytes": mx.get_peak_memory(),
-                "cache_bytes": mx.get_cache_memory(),
-            },
-        }
-
-    # ---- engine thread ----
+    # ---- engine thread (the event-loop side is EngineFront) ----
 
     def _run(self) -> None:
-        with mx.stream(generation_stream):
-            self._serve()
-        mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
+        try:
+            with mx.stream(generation_stream):
+                self._serve()
+            mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
+        except BaseException as e:  # noqa: BLE001 - the engine is gone: its requests and its owner are told
+            self._die(e)
 
     def _serve(self) -> None:
         try:
@@ -160,7 +95,9 @@ class BatchedEngine:
         if self._startup_error is not None:
             return
         try:
+            # Blocking on the inbox only while idle, the queue-wait check runs every iteration it matters in.
             while self._apply_inbox(block=not self.scheduler.has_work):
+                self._expire_waiting()
                 if self.scheduler.has_work:
                     self.step()
                 else:
@@ -171,7 +108,15 @@ class BatchedEngine:
 
     def _warm_up(self) -> None:
         """Run the shapes serving will use (a full prompt chunk; decode batches of 1, 2, 4, … max_running):
-        MLX's GPU backends compile kernels per shape, and the first request should not pay for it."""
+        MLX's GPU backends compile kernels per shape, and the first request should not pay for it. Measures what
+        admission counts first: the weights and a request's cache (:mod:`mlxd.engine.memory`)."""
+        self.memory = measure_memory(self.model, limit_bytes=self.config.memory_limit_bytes,
+                                     max_kv_size=self.config.max_kv_size)
+        self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
+        log.info("memory_budget", limit_bytes=self.memory.limit_bytes, weights_bytes=self.memory.weights_bytes,
+                 kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
+                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes)
+        self.vocab_size = logits_width(self.model)
         greedy, chunk = SamplingParams(), self.config.prefill_chunk
         row = Row.for_request("warm-up", greedy, self.model, self.config.max_kv_size)
         process_prompt(self.model, row, [1] * chunk, last=False)
@@ -194,22 +139,36 @@ class BatchedEngine:
                 return True
             block = False
             if command == "stop":
-                self._abort_all()
+                self._end_all("the server is shutting down; retry shortly")
                 return False
             if command == "submit":
                 self._accept(arg)
             elif command == "cancel":
                 self._cancel(arg)
+            elif command == "abort_all":
+                self._end_all(arg)
             elif command == "clear_cache":
                 loop, future = arg
                 loop.call_soon_threadsafe(future.set_result, self.reuse.clear())
 
     def _accept(self, submitted: Submitted) -> None:
-        self._reuse_prefix(submitted)
+        request_id = submitted.request.request_id
         with self._lock:
-            del self._pending[submitted.request.request_id]
+            if request_id not in self._pending:
+                return  # ended before it got here (abort_all)
+        self._requests[request_id] = submitted
+        self.totals["num_requests"] += 1
+        self.totals["num_prompt_tokens"] += len(submitted.request.prompt)
+        try:
+            self._reuse_prefix(submitted)
+        except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
+            with self._lock:
+                del self._pending[request_id]
+            self._fail(request_id, "build", e)
+            return
+        with self._lock:
+            del self._pending[request_id]
             self.scheduler.add(submitted.state)
-        self._requests[submitted.request.request_id] = submitted
 
     def _reuse_prefix(self, submitted: Submitted) -> None:
         """Start the prompt after the longest state the prefix cache holds for it."""
@@ -225,6 +184,7 @@ class BatchedEngine:
 
     def step(self) -> None:
         """One engine step: schedule → run the batch → post-process."""
+        self._make_room()
         plan = self.scheduler.schedule()
         # Whole short prompts share a forward pass, except where snapshots must land on checkpoints.
         together = self._prompts_together(plan.prefill) if self._trimmable else []
@@ -236,20 +196,34 @@ class BatchedEngine:
         self._post_process(tokens)
         self.totals["num_steps"] += 1
 
+    def _make_room(self) -> None:
+        """The prefix cache gives way first: it keeps what the running requests (and the head of the queue, when
+        it can then be admitted) leave of the memory budget; the requests may reserve the rest."""
+        if self.memory is None:
+            return
+        budget = self.memory.kv_budget_bytes
+        room = budget - self.scheduler.num_bytes_needed(budget)
+        if self.reuse.num_bytes > room:
+            self.reuse.shrink(room)
+        self.scheduler.kv_budget_bytes = budget - self.reuse.num_bytes
+
     def _prefill(self, submitted: Submitted, num_tokens: int) -> None:
         """Process one prompt chunk; a request whose prompt is complete joins the decode batch."""
         request, state = submitted.request, submitted.state
-        row = self._prefilling.get(request.request_id) or self._new_row(request)
+        submitted.started_at = submitted.started_at or time.monotonic()
+        row = self._prefilling.get(request.request_id) or self._build_row(submitted)
+        if row is None:
+            return
         start = state.num_prefilled
         num_tokens = self.reuse.chunk_end(start, num_tokens, request.checkpoints, self._trimmable)
         end = start + num_tokens
         try:
             first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt))
-        except (ValueError, RuntimeError) as e:
-            self._fail(request.request_id, e)
+            if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
+                self.reuse.keep(request.prompt[:end], row.cache)
+        except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
+            self._fail(request.request_id, "prefill", e)
             return
-        if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
-            self.reuse.keep(request.prompt[:end], row.cache)
         self.scheduler.on_prefilled(state, num_tokens)
         self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
         if first is not None:
@@ -270,19 +244,26 @@ class BatchedEngine:
         return whole[:count] if count > 1 else []
 
     def _prefill_together(self, group: list[Submitted]) -> None:
-        """Process whole short prompts in one forward pass; they join the decode batch together."""
-        if not group:
-            return
-        rows = [self._prefilling.get(s.request.request_id) or self._new_row(s.request) for s in group]
+        """Process whole short prompts in one forward pass; they join the decode batch together. Should the pass
+        fail, each prompt is processed alone, so that only the request that caused it fails."""
+        now = time.monotonic()
+        for submitted in group:
+            submitted.started_at = now
+        built = [(s, self._prefilling.get(s.request.request_id) or self._build_row(s)) for s in group]
+        group, rows = [s for s, row in built if row is not None], [row for _, row in built if row is not None]
         if not can_batch_prompts(rows):
             for submitted in group:
                 self._prefill(submitted, submitted.state.num_prompt_tokens)
             return
         try:
             cache, first = process_prompts(self.model, rows, [s.request.prompt for s in group])
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - retried one by one; a request that fails again is reported
+            log.warning("prompt_group_failed", request_ids=[s.request.request_id for s in group],
+                        error_type=type(e).__name__, error=str(e))
+            reset_random_state()
             for submitted in group:
-                self._fail(submitted.request.request_id, e)
+                self._prefilling.pop(submitted.request.request_id)  # a fresh row: the pass may have touched it
+                self._prefill(submitted, submitted.state.num_prompt_tokens)
             return
         for submitted in group:
             state = submitted.state
@@ -291,13 +272,21 @@ class BatchedEngine:
             del self._prefilling[submitted.request.request_id]
         self.batch.add_batch(rows, cache, first)
 
+    def _build_row(self, submitted: Submitted) -> Row | None:
+        """The row of a request starting its prompt; ``None`` when it cannot be built (the request failed)."""
+        try:
+            return self._new_row(submitted.request)
+        except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
+            self._fail(submitted.request.request_id, "build", e)
+            return None
+
     def _new_row(self, request: EngineRequest, cache: list[Any] | None = None) -> Row:
-        if request.sampling.seed is not None:
-            mx.random.seed(request.sampling.seed)
-        row = Row.for_request(request.request_id, request.sampling, self.model, self.config.max_kv_size, cache)
+        params = check_request(request, self.vocab_size)
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        row = Row.for_request(request.request_id, params, self.model, self.config.max_kv_size, cache,
+                              make_sampler=self._make_sampler)
         self._prefilling[request.request_id] = row
-        self.totals["num_requests"] += 1
-        self.totals["num_prompt_tokens"] += len(request.prompt)
         return row
 
     def _decode(self) -> list[int]:
@@ -305,9 +294,11 @@ class BatchedEngine:
             return []
         try:
             return self.batch.step()
-        except (ValueError, RuntimeError) as e:
-            for request_id in self.batch.request_ids:
-                self._fail(request_id, e)
+        except Exception as e:  # noqa: BLE001 - every decoding request fails with it (reported, not swallowed)
+            request_ids = self.batch.request_ids
+            self.batch.clear()  # a failed step can leave the batched cache unusable
+            for request_id in request_ids:
+                self._fail(request_id, "decode", e)
             return []
 
     def _post_process(self, tokens: list[int]) -> None:
@@ -323,6 +314,10 @@ class BatchedEngine:
             self.batch.remove(set(finished))
             for request_id, reason in finished.items():
                 self._finish(request_id, reason)
+        if self.batch.errors:  # rows whose next token could not be computed; the tokens they got stand
+            errors, self.batch.errors = self.batch.errors, {}
+            for request_id, error in errors.items():
+                self._fail(request_id, "sample", error)
 
     def _emit(self, submitted: Submitted, token: int) -> str | None:
         state = submitted.state
@@ -342,6 +337,9 @@ class BatchedEngine:
             state = submitted.state
             self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt),
                                            num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit))
+            if reason != "cancelled" and submitted.started_at is not None:
+                duration, mean = time.monotonic() - submitted.started_at, self._mean_duration_s
+                self._mean_duration_s = duration if mean is None else 0.8 * mean + 0.2 * duration
 
     def _keep_decoded(self, request_id: str) -> None:
         """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns."""
@@ -350,13 +348,17 @@ class BatchedEngine:
             tokens = submitted.request.prompt + submitted.generated
             self.reuse.keep(tokens, self.batch.row_cache(request_id))
 
-    def _fail(self, request_id: str, error: BaseException) -> None:
-        log.error("request_failed", request_id=request_id, error=str(error))
-        self.batch.remove({request_id})
+    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
+        """End one request with ``Failed`` (500, a client-safe message); the error itself goes to the log."""
+        reset_random_state()  # a failed graph can leave it unusable for every later sampled request
         submitted = self._release(request_id)
-        if submitted is not None:
-            self.totals["num_failed"] += 1
-            self._post(submitted, Failed(str(error)))
+        if submitted is None:
+            return  # ended already
+        self.batch.remove({request_id})
+        log.error("request_failed", request_id=request_id, phase=phase, error_type=type(error).__name__,
+                  error=str(error))
+        self.totals["num_failed"] += 1
+        self._post(submitted, Failed(str(error) if isinstance(error, Refused) else _FAILED[phase], status=500))
 
     def _cancel(self, request_id: str) -> None:
         if request_id not in self._requests:
@@ -381,11 +383,48 @@ class BatchedEngine:
         self._prefilling.pop(request_id, None)
         return self._requests.pop(request_id, None)
 
-    def _abort_all(self) -> None:
-        for submitted in self._requests.values():
-            self._post(submitted, Failed("the server is shutting down"))
-        self.batch.remove(set(self._requests))
+    def _end_all(self, message: str) -> None:
+        """End every request, pending ones included, with ``Failed(message, 503)``. Touches no MLX state: the
+        engine may be broken."""
+        with self._lock:
+            ended = {**self._pending, **self._requests}
+            self._pending.clear()
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+        for submitted in ended.values():
+            self._post(submitted, Failed(message, status=503))
+        self.totals["num_aborted"] += len(ended)
+        self.batch.clear()
         self._requests.clear()
         self._prefilling.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
+
+    def _expire_waiting(self) -> None:
+        """End the requests that have waited in the queue longer than ``max_queue_wait_s`` (503)."""
+        limit, waiting, now = self.config.max_queue_wait_s, self.scheduler.waiting, time.monotonic()
+        if not limit or not waiting or now - waiting[0].submitted_at <= limit:  # the head waited longest
+            return
+        for state in [s for s in waiting if now - s.submitted_at > limit]:
+            submitted = self._release(state.request_id)
+            if submitted is not None:
+                waited_s = round(now - state.submitted_at, 3)
+                log.warning("request_timed_out", request_id=state.request_id, waited_s=waited_s)
+                self.totals["num_timed_out"] += 1
+                self._post(submitted, Failed(f"the request waited more than {limit:g} s in the queue for a free "
+                                             "slot; retry later", status=503))
+
+    def _die(self, error: BaseException) -> None:
+        """The engine thread ends on an error: record why, end every request, refuse new ones, tell the owner."""
+        reason = f"{type(error).__name__} on the engine thread"
+        log.error("engine_failed", reason=reason, error=str(error), exc_info=error)
+        with self._lock:
+            self.failure = reason
+        if not self._ready.is_set():  # still warming up: start() raises it
+            self._startup_error = error
+            self._ready.set()
+        self._end_all(f"the engine has stopped ({reason}); retry shortly")
+        self._send()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001 - the engine is gone either way; the owner's error is logged
+                log.exception("engine_on_failure_failed")

@@ -50,6 +50,15 @@ class PromptReuse:
         inside = [c for c in checkpoints if start < c < start + num_tokens]
         return min(inside) - start if inside else num_tokens
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the prefix cache holds (0 when it is off)."""
+        return self.cache.num_bytes if self.cache is not None else 0
+
+    def shrink(self, num_bytes: int) -> int:
+        """Give memory back: evict least recently used entries until at most ``num_bytes`` are held."""
+        return self.cache.shrink(max(0, num_bytes)) if self.cache is not None else 0
+
     def stats(self) -> dict[str, Any]:
         return self.cache.stats() if self.cache is not None else {"enabled": False}
 

@@ -8,7 +8,13 @@ chunks of its ``prefill_chunk`` tokens) and ``decode`` (one token per step, batc
 request). Each step spends at most ``step_token_budget`` tokens: every decoding request gets its token, prompt chunks
 take what is left (the first chunk of a step always goes, so a prompt is never starved by a full decode batch).
 Chunks are never split by the budget, so an n-token prompt takes exactly ceil(n / chunk) forward passes. Nothing is
-preempted: KV memory grows with the running sequences, bounded by ``max_running``.
+preempted.
+
+Memory: each request carries ``num_kv_bytes``, what its KV cache can grow to (prompt + ``max_tokens``), and the
+running requests may reserve at most ``kv_budget_bytes`` together. In the decode batch every row is left-padded to
+the longest one, so ``num_running`` requests reserve ``num_running x`` the largest ``num_kv_bytes`` among them, not
+the sum. The head of the queue is admitted only when it fits; nothing overtakes it (FIFO), so a large request waits
+for room instead of being starved by small ones. Reservations end when a request is removed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class SequenceState:
     num_prompt_tokens: int
     prefill_chunk: int
     max_tokens: int
+    # Bytes its KV cache can grow to (prompt + max_tokens): what admission reserves for it.
+    num_kv_bytes: int = 0
     phase: Phase = "waiting"
     num_prefilled: int = 0
     num_generated: int = 0
@@ -57,6 +65,7 @@ class SequenceState:
             "num_prefilled_tokens": self.num_prefilled,
             "cache_hit": {"kind": self.cache_hit, "num_tokens": self.num_cached_tokens},
             "num_generated_tokens": self.num_generated,
+            "kv_reserved_bytes": self.num_kv_bytes,
             "tokens_per_s": round((self.num_generated - 1) / elapsed, 2) if elapsed > 0 else None,
             "ttft_s": round(first - self.submitted_at, 4) if first is not None else None,
             "age_s": round(now - self.submitted_at, 3),
@@ -82,12 +91,16 @@ class StepPlan:
 class Scheduler:
     """Owns the ``waiting`` and ``running`` queues; :meth:`schedule` plans one step."""
 
-    def __init__(self, *, max_running: int, max_waiting: int, step_token_budget: int) -> None:
+    def __init__(self, *, max_running: int, max_waiting: int, step_token_budget: int,
+                 kv_budget_bytes: int | None = None) -> None:
         if min(max_running, max_waiting, step_token_budget) < 1:
             raise ValueError("max_running, max_waiting and step_token_budget must be at least 1")
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.step_token_budget = step_token_budget
+        # Bytes the running requests' KV caches may reserve together; None: no limit. The engine lowers it by
+        # what the prefix cache holds, each step.
+        self.kv_budget_bytes = kv_budget_bytes
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
 
@@ -117,8 +130,32 @@ class Scheduler:
         sequence.phase = "waiting"
         self.waiting.append(sequence)
 
+    @property
+    def num_reserved_bytes(self) -> int:
+        """Bytes the running requests reserve: every row padded to the largest reservation among them."""
+        return self.num_reserved_bytes_with(None)
+
+    def num_reserved_bytes_with(self, sequence: SequenceState | None) -> int:
+        """:attr:`num_reserved_bytes` once ``sequence`` runs too (``None``: as things are)."""
+        sequences = self.running if sequence is None else [*self.running, sequence]
+        return len(sequences) * max((s.num_kv_bytes for s in sequences), default=0)
+
+    def num_bytes_needed(self, budget_bytes: int) -> int:
+        """What the requests need of ``budget_bytes`` now: the running ones' reservation, with the head of the
+        queue's when it could then be admitted. Others (the prefix cache) may hold the rest."""
+        if self._can_admit_head(budget_bytes):
+            return self.num_reserved_bytes_with(self.waiting[0])
+        return self.num_reserved_bytes
+
     def can_admit(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.max_running
+        """Whether the head of the queue can start: a free running slot and room for its KV cache."""
+        return self._can_admit_head(self.kv_budget_bytes)
+
+    def _can_admit_head(self, budget_bytes: int | None) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_running and self._fits(self.waiting[0], budget_bytes)
+
+    def _fits(self, sequence: SequenceState, budget_bytes: int | None) -> bool:
+        return budget_bytes is None or self.num_reserved_bytes_with(sequence) <= budget_bytes
 
     def admit(self) -> SequenceState:
         sequence = self.waiting.popleft()
@@ -156,7 +193,7 @@ class Scheduler:
             sequence.phase = "decode"
 
     def remove(self, request_id: str) -> SequenceState | None:
-        """Take a request out of whichever queue holds it (finished, cancelled or failed)."""
+        """Take a request out of whichever queue holds it (finished, cancelled or failed); its reservation ends."""
         for queue in (self.running, self.waiting):
             for sequence in queue:
                 if sequence.request_id == request_id:

@@ -36,8 +36,8 @@ class Decode(Stage):
                     if time.monotonic() - last_progress >= self.keepalive_s:
                         last_progress = time.monotonic()
                         yield KeepAlive()
-                elif isinstance(event, Failed):
-                    raise EngineError(f"generation failed: {event.message}")
+                elif isinstance(event, Failed):  # 503 when the server is going away or the queue was too long
+                    raise EngineError(event.message, status=event.status)
                 else:
                     yield event
                     if isinstance(event, Finished):

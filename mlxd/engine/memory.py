@@ -1,0 +1,184 @@
+"""Memory admission, the MLX side: what a request's cache costs, what the weights take, and the limit.
+
+Measured once, on the engine thread at warm-up, through mlx-lm's cache protocol only (``nbytes``, and a rotating
+layer's ``max_size``), so any architecture is counted the same way: two fresh request caches are fed ``step`` and
+``2 * step`` tokens in one pass each, and each layer's ``nbytes`` says what it holds. A layer that grows between the
+two (attention KV) costs bytes per token; one that does not (a recurrent ``ArraysCache``) costs fixed bytes; a
+rotating layer grows until its window is full. Only graph shapes are read: nothing is evaluated.
+
+What a request reserves is what its cache can grow to, prompt + ``max_tokens``, rounded up to the 256-token step in
+which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``), so
+the scheduler counts ``rows x the largest reservation`` rather than the sum (see ``mlxd.engine.scheduler``).
+Not counted: transient copies while a row joins or leaves the batch, activations, sampler buffers, and snapshots
+the prefix cache takes during a step (it is shrunk back at the start of the next one). Leave headroom for them in
+``memory_limit_bytes``; the CPU default keeps a quarter of RAM free.
+
+:class:`MemoryBudget` and :class:`KVCost` are plain numbers, safe to use from the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from mlxd.engine.batch import make_request_cache
+from mlxd.errors import ConfigError, RequestError
+
+# Without a device that reports a working set: this share of physical RAM (the OS, the Python heap and MLX's
+# transient buffers need the rest).
+CPU_RAM_SHARE = 0.75
+# A GPU that reports only its total memory (CUDA): leave some for the driver and other processes.
+GPU_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class KVCost:
+    """What one request's cache costs, for any number of tokens: fixed bytes plus bytes per (allocated) token.
+
+    ``windows`` holds ``(window, bytes per token)`` for rotating layers: they stop growing once the window is full
+    (plus one prompt chunk, which a chunk's forward pass keeps beside the window).
+    """
+
+    num_fixed_bytes: int
+    num_bytes_per_token: int
+    windows: tuple[tuple[int, int], ...] = ()
+    step: int = KVCache.step
+
+    @property
+    def num_bytes_per_token_total(self) -> int:
+        """Bytes each new token adds while no window is full."""
+        return self.num_bytes_per_token + sum(per_token for _, per_token in self.windows)
+
+    def num_bytes(self, num_tokens: int, chunk: int = 0) -> int:
+        """Bytes a cache holding ``num_tokens`` tokens has allocated, processed in chunks of ``chunk`` tokens."""
+        allocated = -(-num_tokens // self.step) * self.step
+        total = self.num_fixed_bytes + self.num_bytes_per_token * allocated
+        for window, per_token in self.windows:
+            total += per_token * min(allocated, window + chunk)
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """The memory limit, the weights' share of it, and what a request's cache costs."""
+
+    limit_bytes: int
+    weights_bytes: int
+    kv: KVCost
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """Bytes left for request caches and the prefix cache together: the limit less the weights."""
+        return self.limit_bytes - self.weights_bytes
+
+
+def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0) -> MemoryBudget:
+    """Measure the weights and a request's cache cost; ``limit_bytes`` 0 takes :func:`default_limit_bytes`.
+
+    Raises :class:`ConfigError` when the weights alone do not fit the limit: no request could ever be served.
+    """
+    limit = limit_bytes or default_limit_bytes()
+    budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size))
+    if budget.kv_budget_bytes <= 0:
+        origin = "[engine] memory_limit_bytes" if limit_bytes else "the default memory limit"
+        raise ConfigError(
+            f"{origin} ({format_bytes(limit)}) leaves no room beside the model's weights "
+            f"({format_bytes(budget.weights_bytes)}); set [engine] memory_limit_bytes above the weights"
+        )
+    return budget
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of every parameter array of ``model`` (quantized weights with their scales and biases)."""
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+
+
+def measure_kv_cost(model: Any, max_kv_size: int = 0) -> KVCost:
+    """Feed ``step`` and ``2 * step`` tokens into fresh request caches and read what each layer holds."""
+    step = KVCache.step
+    short, long = _layer_bytes(model, step, max_kv_size), _layer_bytes(model, 2 * step, max_kv_size)
+    fixed = per_token = 0
+    windows: dict[int, int] = {}
+    for (n_short, window), (n_long, _) in zip(short, long, strict=True):
+        grown = -(-(n_long - n_short) // step)  # bytes per token, rounded up
+        fixed += max(0, n_short - grown * step)
+        if grown and window:
+            windows[window] = windows.get(window, 0) + grown
+        else:
+            per_token += grown
+    return KVCost(fixed, per_token, tuple(sorted(windows.items())), step)
+
+
+def _layer_bytes(model: Any, num_tokens: int, max_kv_size: int) -> list[tuple[int, int | None]]:
+    """Each layer's ``(nbytes, window)`` after one forward pass of ``num_tokens`` tokens (shapes only)."""
+    cache = make_request_cache(model, max_kv_size)
+    model(mx.zeros((1, num_tokens), dtype=mx.uint32), cache=cache)
+    return [(layer.nbytes, _window(layer)) for layer in cache]
+
+
+def _window(layer: Any) -> int | None:
+    # A rotating layer (mlx-lm's RotatingKVCache) keeps at most ``max_size`` tokens once its window is full.
+    size = getattr(layer, "max_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def default_limit_bytes() -> int:
+    """The GPU's recommended working set (Metal), else a share of its total memory (CUDA); on the CPU a share of
+    physical RAM."""
+    device = mx.default_device()
+    if device.type == mx.DeviceType.gpu:
+        info = mx.device_info(device)
+        if info.get("max_recommended_working_set_size"):
+            return int(info["max_recommended_working_set_size"])
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return int(int(total) * GPU_MEMORY_SHARE)
+    return int(physical_ram_bytes() * CPU_RAM_SHARE)
+
+
+def physical_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``123456789 bytes (117.74 MiB)``: exact for the reader who compares, readable for the one who does not."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes} bytes ({num_bytes / size:.2f} {unit})"
+    return f"{num_bytes} bytes"
+
+
+def require_fits(budget: MemoryBudget, num_prompt_tokens: int, max_tokens: int, chunk: int) -> int:
+    """The bytes a request reserves: its cache grown to prompt + ``max_tokens`` tokens.
+
+    Raises :class:`RequestError` (a 400, ``param="max_tokens"``) when that alone exceeds what the limit leaves
+    beside the weights: such a request could never be admitted, however long it waited.
+    """
+    num_bytes = budget.kv.num_bytes(num_prompt_tokens + max_tokens, chunk)
+    if num_bytes > budget.kv_budget_bytes:
+        raise RequestError(
+            f"the memory limit of {format_bytes(budget.limit_bytes)} leaves {format_bytes(budget.kv_budget_bytes)} "
+            f"beside the model weights, and this request needs {format_bytes(num_bytes)} of KV cache "
+            f"({num_prompt_tokens} prompt tokens + max_tokens={max_tokens}); lower max_tokens, shorten the prompt, "
+            "or raise [engine] memory_limit_bytes",
+            param="max_tokens",
+        )
+    return num_bytes
+
+
+def memory_status(budget: MemoryBudget, reserved_bytes: int, prefix_cache_bytes: int) -> dict[str, Any]:
+    """The ``memory`` fields of ``GET /v1/status`` that admission adds."""
+    return {
+        "limit_bytes": budget.limit_bytes,
+        "weights_bytes": budget.weights_bytes,
+        "kv_reserved_bytes": reserved_bytes,
+        "kv_bytes_per_token": budget.kv.num_bytes_per_token_total,
+        "kv_fixed_bytes": budget.kv.num_fixed_bytes,
+        "prefix_cache_bytes": prefix_cache_bytes,
+    }
+
