@@ -15,8 +15,12 @@ assembled from a TOML config.
 
   mlxd --config configs/default.toml            serve (host/port from the file's [server] table)
   mlxd --config FILE --host 0.0.0.0 --port 9000 serve, overriding the file's host and port
-  mlxd check-config FILE                         validate a config and its pipeline, print the pipeline,
-                                                 exit non-zero naming the file, stage and field on errors
+  mlxd check-config FILE                         validate a config and its pipeline, check that the model
+                                                 source exists, print the pipeline; exit non-zero naming
+                                                 the file, stage and field on errors
+
+Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT drain), 1 when the model fails to load or the engine
+stops, 2 for a bad config or a missing model source, 128+N after a second signal N.
 
 Environment: MLXD_CACHE_DIR (converted models; default ~/.cache/mlxd), MLXD_OPENBLAS=0 to run without
 OpenBLAS on Linux, or MLXD_OPENBLAS=/path/libopenblas.so.0 to choose the library.
@@ -54,6 +58,9 @@ def check_config(argv: list[str]) -> int:
     args = check_parser().parse_args(argv)
     config, pipeline = load_everything(args.config)
     model = config.model
+    from mlxd.models.load import check_source
+
+    check_source(model.source, args.config.resolve().parent)
     print(f"{args.config}: OK")
     print(f"model: {model.source} (kind={model.kind}, name={model.name or '(from source)'}, aliases={model.aliases})")
     print(f"server: {config.server.host}:{config.server.port}; engine: {config.engine.type}")
@@ -68,11 +75,14 @@ def serve(argv: list[str]) -> int:
     maybe_reexec_with_openblas(sys.argv[1:])
     config, pipeline = load_everything(args.config)
     import msgspec
-    import uvicorn
 
     from mlxd.api.app import create_app
     from mlxd.daemon import Daemon
     from mlxd.log import configure_logging, get_logger
+    from mlxd.models.load import check_source
+    from mlxd.server import run_server
+
+    check_source(config.model.source, args.config.resolve().parent)  # a missing model fails before the port
 
     server = msgspec.structs.replace(
         config.server, host=args.host or config.server.host, port=args.port or config.server.port
@@ -82,8 +92,7 @@ def serve(argv: list[str]) -> int:
     get_logger("mlxd").info("starting", config=str(args.config), host=server.host, port=server.port,
                             pipeline=[name for name, _ in pipeline.stages])
     daemon = Daemon(config, pipeline, base_dir=args.config.resolve().parent)
-    uvicorn.run(create_app(daemon), host=server.host, port=server.port, access_log=False, log_level="warning")
-    return 0
+    return run_server(create_app(daemon), daemon)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,11 @@ background thread while the server already answers ``/health`` with 503.
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,20 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
 
 
 class Daemon:
-    """Owns the loaded model, the engine and the assembled pipeline."""
+    """Owns the loaded model, the engine and the assembled pipeline, and the serving lifecycle.
 
-    def __init__(self, config: DaemonConfig, pipeline: Pipeline, base_dir: Path | None = None) -> None:
+    ``state``: ``loading`` → ``ready`` → ``draining`` (SIGTERM: running requests finish, new ones get 503) →
+    ``stopped``; ``failed`` when the model could not load or the engine thread ended. ``on_fatal`` (set by
+    whoever runs the server) is called with the reason on a failed load or a dead engine, from any thread: the
+    process should then exit non-zero so that launchd or systemd restarts it.
+    """
+
+    def __init__(self, config: DaemonConfig, pipeline: Pipeline, base_dir: Path | None = None, *,
+                 make_engine: Callable[[Any, Any], Any] | None = None) -> None:
+        """``make_engine(engine_config, model)`` builds the engine (``mlxd.engine.factory.make_engine`` by
+        default; tests pass engines around test doubles)."""
         self.config = config
+        self._make_engine = make_engine
         self.pipeline = pipeline
         self.base_dir = base_dir
         self.state = "loading"
@@ -43,6 +55,9 @@ class Daemon:
         self.created = int(time.time())
         self.name = config.model.name or Path(config.model.source).stem or "model"
         self._loader: threading.Thread | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        self.load_s: float | None = None
+        self._drain_deadline: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -69,10 +84,20 @@ class Daemon:
     def _fail(self, message: str) -> None:
         self.state, self.error = "failed", message
         log.error("model_load_failed", error=message)
+        self._fatal(message)
+
+    def _engine_failed(self, reason: str) -> None:
+        """Called on the engine thread when it ends for good: health turns 503, the process should exit."""
+        self.state, self.error = "failed", f"the engine stopped: {reason}"
+        self._fatal(self.error)
+
+    def _fatal(self, reason: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def load(self) -> None:
         """Load the model, start and warm the engine, warm the pipeline's stages (blocking)."""
-        from mlxd.engine.factory import make_engine
+        from mlxd.engine.factory import make_engine as default_make_engine
         from mlxd.models.load import load, platform_summary
         from mlxd.runtime.blas import mapped_blas
 
@@ -85,11 +110,15 @@ class Daemon:
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             special_token_ids=special_token_ids(tokenizer),
             kind=loaded.kind,
+            vocab_size=loaded.vocab_size,
         )
-        self.engine = make_engine(self.config.engine, loaded.model)
+        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model)
+        self.engine.on_failure = self._engine_failed
         self.engine.start()
         self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine))
-        self.state = "ready"
+        self.load_s = time.monotonic() - started
+        if self.state == "loading":  # not failed or draining meanwhile
+            self.state = "ready"
         log.info(
             "model_ready",
             model=self.name,
@@ -102,14 +131,68 @@ class Daemon:
         )
 
     def close(self) -> None:
+        """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""
+        totals = dict(self.engine.totals) if self.engine is not None else {}
         if self.engine is not None:
             self.engine.stop()
+        previous, self.state = self.state, "stopped"
+        log.info("shutdown", previous_state=previous, error=self.error, **totals)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests (503 with ``Retry-After``) and let running ones finish within ``timeout_s``; then
+        end the rest with a final error event. Logs a ``drain`` line when it starts and when it ends."""
+        started = time.monotonic()
+        if self.state in ("loading", "ready"):
+            self.state = "draining"
+        self._drain_deadline = started + timeout_s
+        engine = self.engine
+        num_active = engine.num_active if engine is not None else 0
+        log.info("drain", phase="start", num_active=num_active, timeout_s=timeout_s)
+        while engine is not None and engine.num_active and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        num_aborted = engine.num_active if engine is not None else 0
+        if num_aborted:
+            engine.abort_all(f"the server is shutting down: the request did not finish within the drain timeout "
+                             f"({timeout_s:g} s); retry it")
+            # The final frames reach the clients once the engine has sent the events.
+            settle = time.monotonic() + 5
+            while engine.num_active and time.monotonic() < settle:
+                await asyncio.sleep(0.02)
+        log.info("drain", phase="done", num_finished=max(0, num_active - num_aborted), num_aborted=num_aborted,
+                 drain_s=round(time.monotonic() - started, 3))
+
+    def require_loaded(self) -> None:
+        """For operational endpoints: the engine exists (ready or draining)."""
+        if self.state not in ("ready", "draining"):
+            self.require_ready()
 
     def require_ready(self) -> None:
+        """For generation endpoints: raise ``NotReady`` (503 with ``Retry-After``) unless serving."""
+        if self.state == "ready":
+            return
         if self.state == "failed":
-            raise NotReady(f"the model failed to load: {self.error}")
-        if not self.ready:
-            raise NotReady("the model is still loading; retry when GET /health returns 200")
+            raise NotReady(f"the server cannot serve: {self.error}", retry_after=self._restart_s())
+        if self.state in ("draining", "stopped"):
+            remaining = max(0.0, (self._drain_deadline or time.monotonic()) - time.monotonic())
+            raise NotReady("the server is shutting down; retry shortly", retry_after=remaining + self._restart_s())
+        raise NotReady("the model is still loading; retry when GET /health returns 200", retry_after=5.0)
+
+    def _restart_s(self) -> float:
+        """How long a restarted daemon takes to serve again: this one's load time, when known."""
+        return self.load_s if self.load_s is not None else 5.0
+
+    def health(self) -> tuple[int, dict[str, Any], float | None]:
+        """``/health``: (status code, body, seconds for ``Retry-After``); 200 only while serving."""
+        body: dict[str, Any] = {"status": self.state, "model": self.name}
+        if self.error:
+            body["error"] = self.error
+        if self.engine is not None and self.state in ("ready", "draining"):
+            body["num_active"] = self.engine.num_active
+        try:
+            self.require_ready()
+        except NotReady as e:
+            return 503, body, e.retry_after
+        return 200, body, None
 
     def served_names(self) -> list[str]:
         return [self.name]
@@ -119,4 +202,5 @@ class Daemon:
         if requested == self.name or any(fnmatch.fnmatchcase(requested, p) for p in self.config.model.aliases):
             return self.name
         aliases = f" or a name matching {self.config.model.aliases}" if self.config.model.aliases else ""
-        raise ModelNotFound(f"model {requested!r} is not served here; use {self.name!r}{aliases}", param="model")
+        shown = requested if len(requested) <= 64 else requested[:64] + "…"  # never echo a huge value back
+        raise ModelNotFound(f"model {shown!r} is not served here; use {self.name!r}{aliases}", param="model")

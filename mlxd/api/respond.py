@@ -18,6 +18,7 @@ import msgspec
 import structlog
 from litestar.types import Receive
 
+from mlxd.api.errors import redact
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
@@ -74,11 +75,15 @@ class Trace:
 
 
 async def start(pipeline: Pipeline, job: Job, endpoint: str) -> tuple[AsyncIterator[Any], Trace]:
-    """Prepare the job and open its stream; errors here (bad request, overload) become HTTP errors."""
+    """Prepare the job and open its stream; errors here (bad request, overload) become HTTP errors.
+
+    The stages' ``prepare`` (rendering, tokenization) runs on a worker thread: a huge prompt never stalls the
+    event loop, so every other request, ``/health`` included, keeps being answered.
+    """
     structlog.contextvars.bind_contextvars(request_id=job.request_id)
     trace = Trace(job, endpoint, time.monotonic())
     try:
-        pipeline.prepare(job)
+        await asyncio.to_thread(pipeline.prepare, job)
         events = pipeline.stream(job)
         first = await anext(events, None)
     except MlxdError as e:
@@ -180,8 +185,10 @@ async def stream_sse(
                         yield sse(chunk)
         yield SSE_DONE
     except MlxdError as e:
+        # Mid-stream failure: one frame in the API's error shape, then the end of the stream.
         trace.outcome = _outcome(e)
-        yield sse(ErrorBody(ErrorDetail(message=e.message, type=e.type)))
+        yield sse(ErrorBody(ErrorDetail(message=redact(e.message), type=e.type, code=e.type)))
+        yield SSE_DONE
     except BaseException as e:
         trace.outcome = _outcome(e)
         raise

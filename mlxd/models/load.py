@@ -18,6 +18,7 @@ from mlxd.config.schema import ModelConfig
 from mlxd.errors import ModelLoadError
 
 EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_MODELS = ("embedded:smollm2-135m",)
 
 
 def cache_dir() -> Path:
@@ -32,6 +33,7 @@ class LoadedModel:
     kind: str
     context_length: int
     dtype: str
+    vocab_size: int = 0
 
 
 def resolve_source(source: str, base_dir: Path | None = None) -> Path:
@@ -40,15 +42,31 @@ def resolve_source(source: str, base_dir: Path | None = None) -> Path:
         from mlxd.models.default_model import resolve_embedded
 
         return resolve_embedded(source, cache_dir())
+    path = check_source(source, base_dir)
+    if path.suffix.lower() == ".gguf":
+        from mlxd.models.gguf import ensure_converted
+
+        return ensure_converted(path, cache_dir() / "gguf")
+    return path
+
+
+def check_source(source: str, base_dir: Path | None = None) -> Path:
+    """Check that ``source`` names something loadable here, converting and downloading nothing (no MLX import).
+
+    Returns the local path (for ``embedded:`` sources, the source as a path). Raises ``ModelLoadError`` with the
+    reason: a missing file or folder, a folder without ``config.json``, a hub id, an unknown embedded name.
+    """
+    if source.startswith(EMBEDDED_PREFIX):
+        if source not in EMBEDDED_MODELS:
+            raise ModelLoadError(f"unknown embedded model {source!r}; known: {', '.join(EMBEDDED_MODELS)}")
+        return Path(source)
     path = Path(source).expanduser()
     if not path.is_absolute() and not path.exists() and base_dir is not None:
         path = base_dir / path
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {source!r} not found")
-        from mlxd.models.gguf import ensure_converted
-
-        return ensure_converted(path, cache_dir() / "gguf")
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model folder: it has no config.json")
@@ -101,7 +119,9 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
     context = config.context_length or int(model_config.get("max_position_embeddings") or 4096)
-    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model))
+    vocab = int(model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size") or 0)
+    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model),
+                       vocab_size=vocab or len(tokenizer))
 
 
 def _read_template(value: str, base_dir: Path | None) -> str:

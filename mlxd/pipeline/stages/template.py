@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxd.errors import RequestError
+from mlxd.errors import ContextLengthExceeded, RequestError
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+
+# A token never stands for more text than the UTF-8 bytes of its vocabulary entry (byte-level BPE and SentencePiece
+# alike); a normalizer such as NFKC can fold up to 3 bytes of input into 1, hence the margin.
+_NORMALIZER_MARGIN = 4
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most bytes of text one token can stand for (an upper bound)."""
+    return max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
+
+
+def num_rendered_bytes(messages: list[dict[str, Any]]) -> int:
+    """Bytes of content every chat template renders verbatim: all but assistant turns (templates may drop
+    reasoning from those once they are history)."""
+    return sum(len(m["content"].encode()) for m in messages
+               if m.get("role") != "assistant" and isinstance(m.get("content"), str))
 
 
 class TemplateConfig(NoOptions, frozen=True):
@@ -22,14 +38,18 @@ class Template(Stage):
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
         self.vocab_size = len(ctx.tokenizer)
+        self.context_length = ctx.model.context_length
+        self.max_prompt_bytes = ctx.model.context_length * max_token_bytes(ctx.tokenizer) * _NORMALIZER_MARGIN
 
     def prepare(self, job: Job) -> None:
         if job.messages is not None:
+            self._refuse_oversized(num_rendered_bytes(job.messages), "messages")
             job.prompt_text = self._render(job, self.config.add_generation_prompt)
             job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
             boundary = self._last_message_boundary(job)
             job.checkpoints = (boundary,) if boundary else ()
         elif isinstance(job.prompt, str):
+            self._refuse_oversized(len(job.prompt.encode()), "prompt")
             job.prompt_text = job.prompt
             job.prompt_ids = self.tokenizer.encode(job.prompt, add_special_tokens=True)
         elif job.prompt is not None:
@@ -37,6 +57,15 @@ class Template(Stage):
             if bad:
                 raise RequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt")
             job.prompt_ids = list(job.prompt)
+
+    def _refuse_oversized(self, num_bytes: int, param: str) -> None:
+        """Refuse, before rendering or tokenizing, a prompt whose size alone proves it cannot fit the context."""
+        if num_bytes > self.max_prompt_bytes:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_bytes} bytes of text: more than the {self.context_length}-token context of "
+                f"this model can hold (at most {self.max_prompt_bytes} bytes)",
+                param=param,
+            )
 
     def _last_message_boundary(self, job: Job) -> int | None:
         """The prompt position where the last message ends and the generation prompt begins.
