@@ -175,6 +175,7 @@ def wait_ready(port: int, path: str, proc: subprocess.Popen, log: Path, timeout:
 
 
 def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int) -> list[str]:
+    tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "mlxd.toml"
     config.write_text(f"""pipeline = "chat"
 [server]
@@ -191,7 +192,18 @@ format = "json"
     return [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)]
 
 
-def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[str], str]]:
+def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[str], str, dict]]:
+    """(label, command, health path, extra environment) of every server to measure."""
+    specs = [(*spec, {}) for spec in _named_specs(args, tmp, max_concurrency)]
+    if args.baseline_mlxd:  # another mlxd source tree (an earlier commit), served side by side with this one
+        port = free_port()
+        command = mlxd_command(args.model, port, tmp / "baseline", max_concurrency)
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(args.baseline_mlxd).resolve()), os.environ.get("PYTHONPATH", "")])}
+        specs.append(("mlxd baseline (HTTP)", command, "/health", env))
+    return specs
+
+
+def _named_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[str], str]]:
     specs = []
     for name in args.servers.split(","):
         port = free_port()
@@ -255,6 +267,11 @@ def ratios(results: list[Result]) -> str:
         if batch and ours:
             lines.append(f"- mlxd, {level} streams through HTTP: {ours / batch:.0%} of BatchGenerator at {level} "
                          "(target ≥ 85% at 8 and 16)")
+    for other in ("mlxd baseline (HTTP)", "mlx_lm.server (HTTP)"):
+        for level in sorted({r.concurrency for r in results}):
+            theirs, ours = rate(other, level), rate("mlxd (HTTP)", level)
+            if theirs and ours:
+                lines.append(f"- mlxd / {other.replace(' (HTTP)', '')}, {level} stream(s): {ours / theirs:.2f}x")
     return "\n".join(lines)
 
 
@@ -282,6 +299,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
+    parser.add_argument("--baseline-mlxd", help="another mlxd source tree (e.g. `git worktree add ../base HEAD~3`), "
+                                               "served side by side as 'mlxd baseline'")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
@@ -313,9 +332,10 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
     them alike instead of whichever happened to run during it. The best run of each point is kept."""
     with contextlib.ExitStack() as stack:
         servers = []
-        for label, command, health in server_specs(args, tmp, max(levels)):
+        for label, command, health, env in server_specs(args, tmp, max(levels)):
             port = port_of(command)
-            stack.enter_context(serve(command, port, logs / f"{label.split()[0]}.log", health))
+            log_name = label.replace(" (HTTP)", "").replace(" ", "-")
+            stack.enter_context(serve(command, port, logs / f"{log_name}.log", health, env))
             servers.append((label, port, "bench" if label.startswith("mlxd") else args.model))
         for level in levels:  # warm every batch shape once
             direct_batch_generator(model, tokenizer, prompts[:level], 8)
@@ -337,8 +357,8 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
 
 
 def _order(result: Result) -> tuple[int, int]:
-    labels = ["mlx-lm generate_step", "mlx-lm BatchGenerator", "mlxd (HTTP)", "mlx_lm.server (HTTP)",
-              "vllm-mlx (HTTP)"]
+    labels = ["mlx-lm generate_step", "mlx-lm BatchGenerator", "mlxd (HTTP)", "mlxd baseline (HTTP)",
+              "mlx_lm.server (HTTP)", "vllm-mlx (HTTP)"]
     return labels.index(result.label), result.concurrency
 
 
