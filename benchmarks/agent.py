@@ -25,7 +25,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load as loadgen  # noqa: E402  (the load generator's server helpers)
 
-ROOT = Path(__file__).resolve().parent.parent
 RULES = [
     "Read the relevant files before editing them, and keep every change minimal and focused on the task.",
     "Run the test suite after each change and report failures verbatim, with the command that produced them.",
@@ -108,7 +107,7 @@ def server_commands(args, model_path: Path, tmp: Path) -> list[tuple[str, list[s
         port = loadgen.free_port()
         if name == "mlxd":
             config = tmp / "agent.toml"
-            config.write_text(f'pipeline = "{ROOT}/pipelines/chat.toml"\n[model]\nsource = "{model_path}"\n'
+            config.write_text(f'[model]\nsource = "{model_path}"\n'
                               f'name = "agent"\n[logging]\nformat = "json"\n')
             specs.append(("mlxd", [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)],
                           "agent"))

@@ -205,7 +205,6 @@ def server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     extra = "[engine]\nmax_running = 4\nmax_waiting = 2\nstep_token_budget = 64\nprefill_chunk = 16\n"
     config = write_config(tmp, tiny_model_dir, port=port, extra=extra)
-    config.write_text(config.read_text().replace('type = "prefill"', 'type = "prefill"\nchunk_size = 16'))
     with serve_subprocess(config, port) as (base, _):
         yield base
 

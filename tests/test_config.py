@@ -62,9 +62,9 @@ def test_unknown_stage_lists_known_names(tmp_path):
 
 
 def test_bad_stage_option_names_stage_and_field(tmp_path):
-    path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "prefill"\nchunk_size = 0\n')
+    path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "normalize"\nmerge_consecutive = "no"\n')
     message = error_of(path)
-    assert "stage 0 (prefill)" in message and "chunk_size" in message
+    assert "stage 0 (normalize)" in message and "merge_consecutive" in message
     path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "prefill"\nchunk = 8\n')
     assert "unknown field `chunk`" in error_of(path)
 
@@ -89,15 +89,17 @@ def test_import_path_that_is_not_a_stage(tmp_path):
 def test_check_config_cli_prints_pipeline(capsys):
     assert main(["check-config", str(ROOT / "configs" / "default.toml")]) == 0
     out = capsys.readouterr().out
-    assert "OK" in out and "prefill" in out and "chunk_size" in out
+    assert "OK" in out and "prefill" in out and "[engine] prefill_chunk = 512  (default)" in out
 
 
 def test_check_config_cli_fails_with_message(tmp_path):
-    path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "prefill"\nchunk_size = -1\n')
+    # The prefill stage's chunk_size moved to [engine] prefill_chunk: a config that still sets it is told where.
+    path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "prefill"\nchunk_size = 256\n')
     result = subprocess.run([sys.executable, "-m", "mlxd", "check-config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert str(path) in result.stderr and "stage 0 (prefill)" in result.stderr and "chunk_size" in result.stderr
+    assert "[engine] prefill_chunk" in result.stderr
 
 
 def test_help_explains_commands():
@@ -110,3 +112,103 @@ def test_http_layer_does_not_import_mlx():
     code = "import sys, mlxd.api.app; print(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+# Where pipelines are found: a path, then pipelines/ beside the config, then the built-ins inside the package.
+
+BUILTIN_CHAT = ROOT / "mlxd" / "pipelines" / "chat.toml"
+
+
+def test_pipeline_name_falls_back_to_the_builtin(tmp_path):
+    _, pipeline = load_everything(write(tmp_path, '[model]\nsource = "x"\n'))
+    assert Path(pipeline.source) == BUILTIN_CHAT
+    assert [t for t, _ in pipeline.stages] == list(BUILTIN_STAGES)
+
+
+def test_pipeline_beside_the_config_takes_the_builtins_place(tmp_path):
+    (tmp_path / "pipelines").mkdir()
+    mine = write(tmp_path / "pipelines", '[[stages]]\ntype = "decode"\n', "chat.toml")
+    _, pipeline = load_everything(write(tmp_path, '[model]\nsource = "x"\n'))
+    assert Path(pipeline.source) == mine and [t for t, _ in pipeline.stages] == ["decode"]
+
+
+def test_pipeline_path_is_relative_to_the_config(tmp_path):
+    (tmp_path / "sub").mkdir()
+    mine = write(tmp_path / "sub", '[[stages]]\ntype = "decode"\n', "p.toml")
+    _, pipeline = load_everything(write(tmp_path, 'pipeline = "sub/p.toml"\n[model]\nsource = "x"\n'))
+    assert Path(pipeline.source) == mine
+
+
+def test_missing_pipeline_lists_the_builtins(tmp_path):
+    message = error_of(write(tmp_path, 'pipeline = "nowhere"\n[model]\nsource = "x"\n'))
+    assert str(tmp_path / "pipelines" / "nowhere.toml") in message and "built-in pipelines: chat" in message
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "pipelines").glob("*.toml")), ids=lambda p: p.name)
+def test_example_pipelines_keep_the_builtin_stages(example, tmp_path):
+    _, pipeline = load_everything(write(tmp_path, f'pipeline = "{example}"\n[model]\nsource = "x"\n'))
+    _, builtin = load_everything(write(tmp_path, '[model]\nsource = "x"\n', "builtin.toml"))
+    assert [t for t, _ in pipeline.stages] == [t for t, _ in builtin.stages]
+
+
+# One source of truth: the prefill chunk is [engine] prefill_chunk.
+
+def test_prefill_stage_chunk_size_names_its_new_place(tmp_path):
+    path = write(tmp_path, '[model]\nsource = "x"\n[[pipeline.stages]]\ntype = "prefill"\nchunk_size = 512\n')
+    message = error_of(path)
+    assert "stage 0 (prefill)" in message and "chunk_size" in message and "[engine] prefill_chunk" in message
+
+
+def test_prefill_stage_uses_the_engine_chunk(tmp_path):
+    from mlxd.pipeline.job import Job
+    from mlxd.pipeline.stage import ModelInfo, PipelineContext
+
+    config, pipeline = load_everything(write(tmp_path, '[model]\nsource = "x"\n[engine]\nprefill_chunk = 48\n'))
+    prefill = dict(pipeline.stages)["prefill"]
+    model = ModelInfo(name="m", context_length=128, eos_token_ids=frozenset({0}), special_token_ids=frozenset())
+    prefill.warm_up(PipelineContext(config, model, tokenizer=None, engine=None))
+    job = Job(request_id="r", model="m", prompt_ids=[1, 2, 3])
+    prefill.prepare(job)
+    assert job.engine_request.prefill_chunk == 48
+
+
+# check-config: every setting's effective value and where it came from.
+
+def test_check_config_prints_each_setting_with_its_origin(tmp_path, capsys):
+    path = write(tmp_path, '[model]\nsource = "embedded:smollm2-135m"\n[model.sampling]\ntemperature = 0.2\n'
+                           '[server]\nhost = "0.0.0.0"\nport = 8000\n')
+    assert main(["check-config", str(path), "--port", "9000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for expected in ('[model] source = "embedded:smollm2-135m"  (file)', '[model] kind = "auto"  (default)',
+                     "[model.sampling] temperature = 0.2  (file)", "[model.sampling] top_p = 1.0  (default)",
+                     '[server] host = "0.0.0.0"  (file)', "[server] port = 9000  (flag)",
+                     "[engine] prefill_chunk = 512  (default)", 'pipeline = "chat"  (default)'):
+        assert expected in lines
+    assert any(line.startswith("  0. normalize") and 'merge_consecutive = "auto" (file)' in line for line in lines)
+
+
+def test_effective_settings_cover_every_field():
+    import msgspec
+
+    from mlxd.config.effective import effective_settings
+    from mlxd.config.schema import DaemonConfig, EngineConfig, SamplingDefaults
+
+    config = msgspec.convert({"model": {"source": "x"}, "engine": {"max_running": 2}}, DaemonConfig)
+    settings = {(s.table, s.name): s for s in effective_settings(config, {"model": {"source": "x"},
+                                                                          "engine": {"max_running": 2}})}
+    for struct, table in ((EngineConfig, "engine"), (SamplingDefaults, "model.sampling")):
+        assert all((table, f.name) in settings for f in msgspec.structs.fields(struct))
+    assert settings[("engine", "max_running")].origin == "file"
+    assert settings[("engine", "max_waiting")].origin == "default"
+    assert {s.origin for s in settings.values()} == {"file", "default"}
+
+
+def test_serve_flags_override_the_file():
+    import msgspec
+
+    from mlxd.config.effective import apply_flags
+    from mlxd.config.schema import DaemonConfig
+
+    config = msgspec.convert({"model": {"source": "x"}, "server": {"port": 1, "host": "h"}}, DaemonConfig)
+    changed = apply_flags(config, {"server.port": 2})
+    assert (changed.server.port, changed.server.host, changed.model) == (2, "h", config.model)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import tomllib
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from mlxd.config.schema import DaemonConfig, PipelineSpec
 from mlxd.errors import ConfigError
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path | Traversable) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError as e:
@@ -50,11 +52,25 @@ def load_config(path: str | Path) -> DaemonConfig:
     return convert(read_toml(path), DaemonConfig, str(path))
 
 
-def pipeline_search_dirs(config_path: Path) -> list[Path]:
-    """Where a pipeline named in a config is looked for: beside the config, its parent, then the CWD."""
+BUILTIN_PIPELINES = resources.files("mlxd") / "pipelines"
+
+
+def builtin_pipeline_names() -> list[str]:
+    """The pipelines shipped inside the package (``mlxd/pipelines/*.toml``)."""
+    return sorted(f.name.removesuffix(".toml") for f in BUILTIN_PIPELINES.iterdir() if f.name.endswith(".toml"))
+
+
+def pipeline_candidates(spec: str, config_path: Path) -> list[Path | Traversable]:
+    """Where the config's ``pipeline`` entry is looked for, in order.
+
+    A path (it ends in ``.toml`` or contains a ``/``) is that file, relative to the config's folder. A name is
+    ``pipelines/NAME.toml`` beside the config, then the built-in ``mlxd/pipelines/NAME.toml``.
+    """
     base = config_path.resolve().parent
-    dirs = [base / "pipelines", base.parent / "pipelines", Path.cwd() / "pipelines"]
-    return list(dict.fromkeys(dirs))
+    if spec.endswith(".toml") or "/" in spec:
+        path = Path(spec).expanduser()
+        return [path if path.is_absolute() else base / path]
+    return [base / "pipelines" / f"{spec}.toml", BUILTIN_PIPELINES / f"{spec}.toml"]
 
 
 def resolve_pipeline(config: DaemonConfig, config_path: Path) -> tuple[str, list[dict[str, Any]]]:
@@ -62,14 +78,11 @@ def resolve_pipeline(config: DaemonConfig, config_path: Path) -> tuple[str, list
     spec = config.pipeline
     if isinstance(spec, PipelineSpec):
         return f"{config_path} [pipeline]", spec.stages
-    candidate = Path(spec)
-    if candidate.suffix == ".toml":
-        candidates = [candidate if candidate.is_absolute() else config_path.resolve().parent / candidate]
-    else:
-        candidates = [d / f"{spec}.toml" for d in pipeline_search_dirs(config_path)]
+    candidates = pipeline_candidates(spec, config_path)
     for file in candidates:
         if file.is_file():
             stages = convert(read_toml(file), PipelineSpec, str(file)).stages
             return str(file), stages
     tried = ", ".join(str(c) for c in candidates)
-    raise ConfigError(f"{config_path}: pipeline {spec!r} not found (looked for {tried})")
+    builtins = ", ".join(builtin_pipeline_names())
+    raise ConfigError(f"{config_path}: pipeline {spec!r} not found (looked for {tried}); built-in pipelines: {builtins}")

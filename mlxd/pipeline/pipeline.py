@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-
+from mlxd.config.effective import effective_settings, format_value
 from mlxd.config.load import convert
 from mlxd.errors import ConfigError, PipelineError
 from mlxd.pipeline.job import Job
@@ -17,9 +16,12 @@ from mlxd.pipeline.stage import PipelineContext, Stage
 class Pipeline:
     """An ordered list of stages. ``prepare`` runs them in order; ``stream`` chains their streams."""
 
-    def __init__(self, stages: list[tuple[str, Stage]], source: str) -> None:
+    def __init__(self, stages: list[tuple[str, Stage]], source: str,
+                 options: list[dict[str, Any]] | None = None) -> None:
         self.stages = stages
         self.source = source
+        # Each stage's options as written in the pipeline file, to tell set values from defaults.
+        self.options = options if options is not None else [{} for _ in stages]
 
     def warm_up(self, ctx: PipelineContext) -> None:
         for _, stage in self.stages:
@@ -37,10 +39,12 @@ class Pipeline:
         return events
 
     def describe(self) -> str:
+        """One line per stage with each option's effective value and whether the pipeline file set it."""
         lines = [f"pipeline from {self.source}:"]
-        for i, (type_name, stage) in enumerate(self.stages):
-            options = msgspec.to_builtins(stage.config)
-            lines.append(f"  {i}. {type_name:<11} {options if options else ''}".rstrip())
+        for i, ((type_name, stage), raw) in enumerate(zip(self.stages, self.options, strict=True)):
+            options = ", ".join(f"{s.name} = {format_value(s.value)} ({s.origin})"
+                                for s in effective_settings(stage.config, raw))
+            lines.append(f"  {i}. {type_name:<11} {options}".rstrip())
         return "\n".join(lines)
 
 
@@ -56,7 +60,7 @@ def build_pipeline(tables: list[dict[str, Any]], source: str) -> Pipeline:
     """
     if not tables:
         raise ConfigError(f"{source}: the pipeline has no stages")
-    stages = []
+    stages, all_options = [], []
     for index, table in enumerate(tables):
         type_name = table.get("type")
         where = f"{source}: stage {index}"
@@ -67,6 +71,10 @@ def build_pipeline(tables: list[dict[str, Any]], source: str) -> Pipeline:
         except PipelineError as e:
             raise ConfigError(f"{where}: {e.message}") from e
         options = {k: v for k, v in table.items() if k != "type"}
+        for option, new_place in getattr(cls, "moved_options", {}).items():
+            if option in options:
+                raise ConfigError(f"{where} ({type_name}): {option}: no longer a stage option; set {new_place}")
         config = convert(options, cls.Config, f"{where} ({type_name})")
         stages.append((type_name, cls(config)))
-    return Pipeline(stages, source)
+        all_options.append(options)
+    return Pipeline(stages, source, all_options)

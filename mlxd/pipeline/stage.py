@@ -51,6 +51,9 @@ class Stage:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[msgspec.Struct]] = NoOptions
+    # Options that moved elsewhere (option → its new place, e.g. "[engine] prefill_chunk"): setting one is a
+    # config error that names the new place, rather than "unknown field".
+    moved_options: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: msgspec.Struct) -> None:
         self.config = config

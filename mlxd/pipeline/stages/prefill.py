@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
-
 from mlxd.engine.base import EngineRequest
 from mlxd.errors import ContextLengthExceeded, RequestError
 from mlxd.pipeline.job import Job
-from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
-
-
-class PrefillConfig(NoOptions, frozen=True):
-    # Prompt tokens per forward pass; smaller chunks let running streams interleave sooner.
-    chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 512
+from mlxd.pipeline.stage import PipelineContext, Stage
 
 
 class Prefill(Stage):
+    """Takes no options: the chunk size is the engine's (``[engine] prefill_chunk``), so that warm-up and
+    serving use the same one."""
+
     name = "prefill"
-    Config = PrefillConfig
+    moved_options = {"chunk_size": "[engine] prefill_chunk"}
 
     def warm_up(self, ctx: PipelineContext) -> None:
+        self.prefill_chunk = ctx.config.engine.prefill_chunk
         self.context_length = ctx.model.context_length
         self.default_max_tokens = ctx.config.model.sampling.max_tokens
         self.eos_token_ids = ctx.model.eos_token_ids
@@ -52,6 +47,6 @@ class Prefill(Stage):
             max_tokens=max_tokens,
             sampling=job.sampling,
             stop_token_ids=self.eos_token_ids,
-            prefill_chunk=self.config.chunk_size,
+            prefill_chunk=self.prefill_chunk,
             checkpoints=job.checkpoints,
         )

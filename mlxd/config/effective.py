@@ -1,0 +1,66 @@
+"""The effective value of every setting and where it came from: the built-in default, the file, or a flag.
+
+Found by walking the converted structs beside the raw TOML tables they came from, so a new field is listed
+without being named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import msgspec
+
+MAX_VALUE_CHARS = 72
+
+
+class Setting(NamedTuple):
+    table: str  # dotted ("model.sampling"); "" for top-level keys
+    name: str
+    value: Any
+    origin: str  # "default", "file" or "flag"
+
+    def describe(self) -> str:
+        where = f"[{self.table}] " if self.table else ""
+        return f"{where}{self.name} = {format_value(self.value)}  ({self.origin})"
+
+
+def effective_settings(struct: msgspec.Struct, raw: Mapping[str, Any], flags: Mapping[str, Any] | None = None,
+                       table: str = "") -> list[Setting]:
+    """Every field of ``struct``, nested tables (struct-valued fields) walked in place.
+
+    ``raw`` is the table as read from the file: a field it sets is ``file``, one it leaves out ``default``.
+    ``flags`` holds dotted names (``server.port``) that a command-line flag set: those are ``flag``.
+    """
+    flags = flags or {}
+    settings = []
+    for field in msgspec.structs.fields(struct):
+        value = getattr(struct, field.name)
+        key = f"{table}.{field.name}" if table else field.name
+        raw_value = raw.get(field.name)
+        if isinstance(value, msgspec.Struct) and isinstance(raw_value, Mapping | None):
+            settings.extend(effective_settings(value, raw_value or {}, flags, key))
+        elif key in flags:
+            settings.append(Setting(table, field.name, value, "flag"))
+        else:
+            settings.append(Setting(table, field.name, value, "file" if field.name in raw else "default"))
+    return settings
+
+
+def apply_flags(struct: msgspec.Struct, flags: Mapping[str, Any]) -> Any:
+    """A copy of ``struct`` with each dotted name in ``flags`` (``server.port``) set to its value."""
+    for key, value in flags.items():
+        struct = _replace(struct, key.split("."), value)
+    return struct
+
+
+def _replace(struct: msgspec.Struct, path: list[str], value: Any) -> Any:
+    head, *rest = path
+    new = _replace(getattr(struct, head), rest, value) if rest else value
+    return msgspec.structs.replace(struct, **{head: new})
+
+
+def format_value(value: Any) -> str:
+    """TOML-like (strings quoted, ``true``/``false``, lists, inline tables), cut to one short line."""
+    text = msgspec.json.encode(msgspec.to_builtins(value)).decode()
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 1] + "…"
