@@ -1,6 +1,7 @@
 """Prefill and decode speed of the embedded default model through HTTP, with and without OpenBLAS.
 
-Starts `python -m mlxd --config configs/default.toml` once per BLAS setting (side by side in one run),
+Starts `python -m mlxd --config configs/default.toml` once per BLAS setting (side by side in one run: the
+cmeel-openblas wheel, the system's OpenBLAS when installed, the mlx-cpu wheel's bundled reference BLAS),
 measures prefill tok/s (prompt tokens / time to first token, long prompt) and decode tok/s (streamed tokens
 after the first / time between first and last), and writes docs/benchmarks/default-model.md.
 
@@ -32,7 +33,6 @@ PARAGRAPH = (
 
 def start(port: int, env: dict[str, str], dtype: str) -> subprocess.Popen:
     text = (ROOT / "configs" / "default.toml").read_text()
-    text = text.replace('pipeline = "chat"', f'pipeline = "{ROOT}/pipelines/chat.toml"')
     text = text.replace('name = "smollm2-135m"', f'name = "smollm2-135m"\ndtype = "{dtype}"')
     config = Path(tempfile.mkdtemp()) / "bench.toml"
     config.write_text(text)
@@ -110,23 +110,44 @@ print(json.dumps({"prefill": statistics.median(prefill), "decode": statistics.me
 
 def direct(repeats: int) -> dict[str, float]:
     """mlx-lm's generate_step in a process of its own, OpenBLAS preloaded: the ceiling for the default row."""
-    from mlxd.runtime.blas import find_openblas
+    from mlxd.runtime.blas import find_openblas, preload_environment
 
     lib = find_openblas()
-    env = {**os.environ, "LD_PRELOAD": str(lib) if lib else ""}
+    env = preload_environment(lib, os.environ) if lib else {**os.environ, "LD_PRELOAD": ""}
     out = subprocess.run([sys.executable, "-c", DIRECT, str(repeats), PARAGRAPH * 12 + "Summarize."],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _pip_version() -> str:
+    from importlib import metadata
+
+    try:
+        return f"cmeel-openblas {metadata.version('cmeel-openblas')}"
+    except metadata.PackageNotFoundError:
+        return "(cmeel-openblas not installed)"
+
+
+def _resolved(path: Path | None) -> str:
+    return str(path.resolve()) if path else "(none)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--note", default="", help="a sentence for the report (e.g. what else ran on the machine)")
     args = parser.parse_args()
     rows = {}
-    settings = (("float32 + OpenBLAS (default)", {}, "auto"),
-                ("float32, bundled BLAS", {"MLXD_OPENBLAS": "0", "LD_PRELOAD": ""}, "auto"),
-                ("native Q4_1/Q8_0, bundled BLAS", {"MLXD_OPENBLAS": "0", "LD_PRELOAD": ""}, "native"))
+    from mlxd.runtime.blas import pip_openblas, system_openblas
+
+    no_preload = {"LD_PRELOAD": "", "MLXD_OPENBLAS_REEXECED": ""}
+    settings = [("float32 + pip OpenBLAS (default)", {**no_preload, "MLXD_OPENBLAS": "pip"}, "auto"),
+                ("float32 + system OpenBLAS", {**no_preload, "MLXD_OPENBLAS": "system"}, "auto"),
+                ("float32, bundled BLAS", {**no_preload, "MLXD_OPENBLAS": "0"}, "auto"),
+                ("native Q4_1/Q8_0, bundled BLAS", {**no_preload, "MLXD_OPENBLAS": "0"}, "native")]
+    if pip_openblas() is None or system_openblas() is None:  # the default row is whichever is installed
+        settings = [(label, env, dtype) for label, env, dtype in settings if "OpenBLAS" not in label]
+        settings.insert(0, ("float32 + OpenBLAS (default)", no_preload, "auto"))
     for label, env, dtype in settings:
         proc = start(18765, env, dtype)
         try:
@@ -137,7 +158,7 @@ def main() -> None:
         print(label, rows[label], flush=True)
     rows["mlx-lm generate_step, float32 + OpenBLAS (no HTTP)"] = direct(args.repeats)
     print("direct", rows["mlx-lm generate_step, float32 + OpenBLAS (no HTTP)"], flush=True)
-    base = rows["float32 + OpenBLAS (default)"]
+    base = next(iter(rows.values()))
     lines = [
         "# Default model (SmolLM2-135M-Instruct) through HTTP",
         "",
@@ -145,6 +166,9 @@ def main() -> None:
         f"Command: `python benchmarks/default_model.py --repeats {args.repeats}` (servers run one after another in one",
         "run; medians). Prefill: a long prompt, `max_tokens=1`, prompt tokens / time to first token.",
         "Decode: streamed tokens after the first / time from first to last token, 128 tokens.",
+        f"OpenBLAS: pip {_pip_version()} (`MLXD_OPENBLAS=pip`), system `{system_openblas()}` "
+        f"(`MLXD_OPENBLAS=system`, resolving to `{_resolved(system_openblas())}`).",
+        *([args.note] if args.note else []),
         "",
         "| setting | prompt tokens | prefill tok/s | decode tok/s | prefill vs default | decode vs default |",
         "|---|---|---|---|---|---|",

