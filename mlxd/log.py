@@ -1,18 +1,103 @@
-"""structlog, configured once: JSON lines when not on a terminal (launchd, systemd), console otherwise."""
+"""structlog, configured once: JSON lines when not on a terminal (launchd, systemd), console otherwise.
+
+Lines go to stderr, or to a file (``mlxd --log-file``) that :func:`reconfigure_logging` reopens by name, so that
+logrotate or newsyslog can move it away and send SIGHUP.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
 
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def configure_logging(level: str = "info", fmt: str = "auto") -> None:
-    """Configure structlog for the whole process. ``fmt``: ``auto`` | ``json`` | ``console``."""
-    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+class LogFile:
+    """A file opened for appending that can be reopened by name. Each line is one ``write`` under a lock, so a
+    thread logging while the file is reopened writes its whole line to the old file or the new one."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).absolute()
+        self._lock = threading.Lock()
+        self._file = self._open()
+
+    def _open(self) -> TextIO:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self.path, "a", encoding="utf-8")  # kept open until reopened or closed
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            written = self._file.write(text)
+            self._file.flush()
+            return written
+
+    def flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def reopen(self) -> None:
+        """Open the path again (creating the file) and close the old one; on ``OSError`` the old one stays."""
+        new = self._open()
+        with self._lock:
+            old, self._file = self._file, new
+        old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+@dataclass
+class _Output:
+    level: str = "info"
+    fmt: str = "auto"
+    file: LogFile | None = None
+
+
+_output = _Output()
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", file: str | Path | None = None) -> None:
+    """Configure structlog (and the standard library's root logger) for the whole process.
+
+    ``fmt``: ``auto`` | ``json`` | ``console``; ``auto`` is JSON unless the target is a terminal. ``file``: append
+    lines to this file (its folder is created) instead of stderr. Raises ``OSError`` when it cannot be opened.
+    """
+    log_file = LogFile(file) if file is not None else None
+    if _output.file is not None:
+        _output.file.close()
+    _output.file = log_file
+    _apply(level, fmt)
+
+
+def reconfigure_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """For SIGHUP: reopen the log file, if lines go to one, and apply ``level`` and ``fmt`` where given.
+
+    Raises ``OSError`` when the file cannot be reopened; logging then goes on unchanged, to the old file.
+    """
+    if _output.file is not None:
+        _output.file.reopen()
+    _apply(level or _output.level, fmt or _output.fmt)
+
+
+def log_file() -> Path | None:
+    """The file log lines go to, or ``None`` for stderr."""
+    return _output.file.path if _output.file is not None else None
+
+
+def _apply(level: str, fmt: str) -> None:
+    _output.level, _output.fmt = level, fmt
+    target = _output.file or sys.stderr
+    use_json = fmt == "json" or (fmt == "auto" and not target.isatty())
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
@@ -23,11 +108,17 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=target),
         cache_logger_on_first_use=False,
     )
-    # Quiet libraries that log through the standard library, unless debugging.
-    logging.basicConfig(level=logging.DEBUG if level == "debug" else logging.WARNING, stream=sys.stderr)
+    # Quiet libraries that log through the standard library, unless debugging; with a log file, their lines
+    # (uvicorn's among them) go there too.
+    std_level = logging.DEBUG if level == "debug" else logging.WARNING
+    if _output.file is not None:
+        logging.basicConfig(level=std_level, stream=_output.file, force=True)
+    else:
+        logging.basicConfig(level=std_level, stream=sys.stderr)
+    logging.getLogger().setLevel(std_level)
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

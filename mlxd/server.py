@@ -3,6 +3,8 @@
 - SIGTERM or SIGINT: drain (new requests get 503 with ``Retry-After``; running ones finish within
   ``[server] drain_timeout_s``, the rest end with a final error event), then exit 0.
 - A second signal: exit at once (128 + the signal's number).
+- SIGHUP: re-read the config file's ``[logging]`` table and reopen the log file (after logrotate or newsyslog
+  moved it); serving goes on.
 - A fatal daemon error (the model failed to load, the engine thread ended): exit 1, so that launchd's
   ``KeepAlive`` or systemd's ``Restart=on-failure`` restarts the process.
 """
@@ -13,12 +15,16 @@ import asyncio
 import os
 import signal
 import sys
+import threading
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from mlxd.config import load_config
 from mlxd.daemon import Daemon
-from mlxd.log import get_logger
+from mlxd.errors import ConfigError
+from mlxd.log import get_logger, log_file, reconfigure_logging
 
 log = get_logger("mlxd.server")
 
@@ -28,11 +34,15 @@ GRACE_S = 5
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server with mlxd's signal handling; :meth:`run` returns the process exit code."""
+    """uvicorn's server with mlxd's signal handling; :meth:`run` returns the process exit code.
 
-    def __init__(self, config: uvicorn.Config, daemon: Daemon) -> None:
+    ``config_path``: the daemon config whose ``[logging]`` table SIGHUP re-reads (``None``: SIGHUP is not handled).
+    """
+
+    def __init__(self, config: uvicorn.Config, daemon: Daemon, config_path: Path | None = None) -> None:
         super().__init__(config)
         self.daemon = daemon
+        self.config_path = config_path
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
@@ -45,7 +55,34 @@ class Server(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        # uvicorn handles only SIGINT and SIGTERM; SIGHUP's handler runs on the loop, not inside the signal.
+        hangup = self.config_path is not None and threading.current_thread() is threading.main_thread()
+        if hangup:
+            self._loop.add_signal_handler(signal.SIGHUP, self._reload_logging, self.config_path)
+        try:
+            await super().serve(sockets)
+        finally:
+            if hangup:
+                self._loop.remove_signal_handler(signal.SIGHUP)
+
+    def _reload_logging(self, config_path: Path) -> None:
+        """SIGHUP: reopen the log file and apply the config's ``[logging]`` table. A config that no longer
+        loads keeps the current level and format (the file is reopened all the same); nothing stops serving."""
+        settings, error = None, None
+        try:
+            settings = load_config(config_path).logging
+        except ConfigError as e:
+            error = e.message
+        try:
+            reconfigure_logging(settings.level if settings else None, settings.format if settings else None)
+        except OSError as e:
+            log.error("log_reopen_failed", file=str(log_file()), reason=e.strerror or str(e))
+            return
+        if error is not None:  # logged to the reopened file, where an operator looks after rotating
+            log.error("logging_reload_failed", reason=error, kept="the current level and format")
+        else:
+            log.info("logging_reloaded", level=settings.level, format=settings.format,
+                     file=str(log_file() or "stderr"))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Signal handler (main thread): the first signal starts the drain, a second one exits at once."""
@@ -82,9 +119,11 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: object, daemon: Daemon) -> int:
-    """Serve ``app`` on the daemon's host and port until drained or failed; return the exit code."""
+def run_server(app: object, daemon: Daemon, config_path: Path | None = None) -> int:
+    """Serve ``app`` on the daemon's host and port until drained or failed; return the exit code. With
+    ``config_path``, SIGHUP re-reads that file's ``[logging]`` table and reopens the log file."""
     server = daemon.config.server
+    # log_config=None: uvicorn's lines go through the root logger that mlxd.log set up (the log file, if any).
     config = uvicorn.Config(app, host=server.host, port=server.port, access_log=False, log_level="warning",
-                            timeout_graceful_shutdown=GRACE_S)
-    return Server(config, daemon).run()
+                            log_config=None, timeout_graceful_shutdown=GRACE_S)
+    return Server(config, daemon, config_path).run()
