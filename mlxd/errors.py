@@ -57,6 +57,20 @@ class ContextLengthExceeded(RequestError):
     type = "context_length_exceeded"
 
 
+class AuthenticationError(MlxdError):
+    """No API key, or one that is not configured (401); the message never echoes the key sent."""
+
+    status = 401
+    type = "authentication_error"
+
+
+class PermissionDenied(AuthenticationError):
+    """A valid API key on an endpoint that needs an admin key (403)."""
+
+    status = 403
+    type = "permission_error"
+
+
 class Overloaded(MlxdError):
     """Queues are full; the client should retry later (``retry_after`` reflects the queue)."""
 

@@ -11,14 +11,27 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from mlxd import __version__
+from mlxd.api.auth import load_keys, make_guard
 from mlxd.api.errors import EXCEPTION_HANDLERS
+from mlxd.api.metrics import Metrics
 from mlxd.api.openai import OpenAIController
 from mlxd.api.ops import OpsController
 from mlxd.daemon import Daemon
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.api")
 
 
 def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
-    """Build the app. With ``load``, the model loads on a background thread when the app starts."""
+    """Build the app. With ``load``, the model loads on a background thread when the app starts.
+
+    API keys are read here, once: a keys file that is missing or holds no key is a ``ConfigError`` naming it."""
+    server = daemon.config.server
+    keys = load_keys(server, daemon.base_dir)
+    if keys.enabled:  # how many, never which
+        log.info("api_keys", num_keys=len(keys.api), num_admin_keys=len(keys.admin),
+                 metrics_need_key=keys.metrics_need_key)
+    metrics = Metrics(daemon)
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -29,10 +42,11 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
         finally:
             daemon.close()
 
-    server = daemon.config.server
     return Litestar(
         route_handlers=[OpenAIController, OpsController],
-        dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False)},
+        dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False),
+                      "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False)},
+        guards=[make_guard(keys)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=server.max_body_bytes,

@@ -15,12 +15,15 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from mlxd.api.schemas import ErrorBody, ErrorDetail
-from mlxd.errors import MlxdError
+from mlxd.errors import AuthenticationError, MlxdError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.api")
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+# Error types by status, for Litestar's own exceptions; mlxd's errors carry their own (401 `authentication_error`
+# and 403 `permission_error` are the names both OpenAI's and Anthropic's shapes use).
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 CLIP = 64
 MAX_MESSAGE = 1024
@@ -49,14 +52,16 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return Response(body, status_code=status, headers=headers)
 
 
-def _retry_after(exc: MlxdError) -> dict[str, str] | None:
+def _headers(exc: MlxdError) -> dict[str, str] | None:
+    if isinstance(exc, AuthenticationError) and exc.status == 401:
+        return {"WWW-Authenticate": 'Bearer realm="mlxd"'}
     if exc.status not in (429, 503) or exc.retry_after is None:
         return None
     return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
 
 
 def handle_mlxd_error(_: Request, exc: MlxdError) -> Response[ErrorBody]:
-    return error_response(exc.status, exc.message, exc.type, exc.param, _retry_after(exc))
+    return error_response(exc.status, exc.message, exc.type, exc.param, _headers(exc))
 
 
 def handle_validation(_: Request, exc: ValidationException) -> Response[ErrorBody]:

@@ -13,6 +13,7 @@ from litestar.response import Stream
 
 from mlxd.api import jobs, respond
 from mlxd.api.body import StrictJSON
+from mlxd.api.metrics import Metrics
 from mlxd.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -52,14 +53,15 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200, dto=StrictJSON[ChatCompletionRequest], return_dto=None)
     async def chat_completions(
-        self, request: Request, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon]
+        self, request: Request, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon],
+        metrics: NamedDependency[Metrics],
     ) -> ChatCompletion | EventStream:
         """Chat completion, streaming (SSE) or not, in the OpenAI format."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
         job = jobs.chat_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "chat")
+        events, trace = await respond.start(daemon.pipeline, job, "chat", metrics.observe)
         created = int(time.time())
         if not data.stream:
             text, done = await respond.collect(events, trace, request.receive)
@@ -83,14 +85,15 @@ class OpenAIController(Controller):
 
     @post("/completions", status_code=200, dto=StrictJSON[CompletionRequest], return_dto=None)
     async def completions(
-        self, request: Request, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon]
+        self, request: Request, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon],
+        metrics: NamedDependency[Metrics],
     ) -> Completion | EventStream:
         """Text completion of a raw prompt (no chat template)."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
         job = jobs.completion_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "completions")
+        events, trace = await respond.start(daemon.pipeline, job, "completions", metrics.observe)
         created = int(time.time())
         if not data.stream:
             text, done = await respond.collect(events, trace, request.receive)

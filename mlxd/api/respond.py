@@ -11,7 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -46,16 +46,40 @@ def usage_of(done: Done) -> Usage:
 
 @dataclass(slots=True)
 class Trace:
-    """Timings and outcome of one request, for its log line."""
+    """Timings and outcome of one request, for its log line and ``on_end`` (the metrics)."""
 
     job: Job
     endpoint: str
     started: float
     first_token: float | None = None
+    last_token: float | None = None
+    # Seconds between consecutive text deltas: one token each, unless the detokenizer held text back (an
+    # unfinished UTF-8 character, a possible stop sequence).
+    gaps: list[float] = field(default_factory=list)
     done: Done | None = None
     outcome: str = "ok"
+    # The outcome as a label with few values: "ok", "client_disconnected" or "error_<status>".
+    result: str = "ok"
+    on_end: Callable[[Trace], None] | None = None
+
+    def text_sent(self) -> None:
+        """A text delta is going out now."""
+        now = time.monotonic()
+        if self.last_token is None:
+            self.first_token = now
+        else:
+            self.gaps.append(now - self.last_token)
+        self.last_token = now
+
+    def fail(self, exc: BaseException) -> None:
+        self.outcome = _outcome(exc)
+        if self.outcome == "client disconnected":
+            self.result = "client_disconnected"
+        else:
+            self.result = f"error_{exc.status if isinstance(exc, MlxdError) else 500}"
 
     def log(self) -> None:
+        """Write the request's log line (never the prompt or the text), then call ``on_end``."""
         now = time.monotonic()
         done = self.done
         log.info(
@@ -72,21 +96,26 @@ class Trace:
             finish_reason=done.finish_reason if done else None,
             outcome=self.outcome,
         )
+        if self.on_end is not None:
+            self.on_end(self)
 
 
-async def start(pipeline: Pipeline, job: Job, endpoint: str) -> tuple[AsyncIterator[Any], Trace]:
+async def start(pipeline: Pipeline, job: Job, endpoint: str,
+                on_end: Callable[[Trace], None] | None = None) -> tuple[AsyncIterator[Any], Trace]:
     """Prepare the job and open its stream; errors here (bad request, overload) become HTTP errors.
+    ``on_end(trace)`` is called once the request's log line is written.
 
     The stages' ``prepare`` (rendering, tokenization) runs on a worker thread: a huge prompt never stalls the
     event loop, so every other request, ``/health`` included, keeps being answered.
     """
     structlog.contextvars.bind_contextvars(request_id=job.request_id)
-    trace = Trace(job, endpoint, time.monotonic())
+    trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
     try:
         await asyncio.to_thread(pipeline.prepare, job)
         events = pipeline.stream(job)
         first = await anext(events, None)
     except MlxdError as e:
+        trace.fail(e)
         trace.outcome = f"error {e.status}"
         trace.log()
         raise
@@ -128,7 +157,7 @@ async def collect(events: AsyncIterator[Any], trace: Trace, receive: Receive | N
                 raise ClientDisconnected("the client disconnected before the response was ready")
         return drain.result()
     except BaseException as e:
-        trace.outcome = _outcome(e)
+        trace.fail(e)
         raise
     finally:
         trace.log()
@@ -139,7 +168,7 @@ async def _drain(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):
-                trace.first_token = trace.first_token or time.monotonic()
+                trace.text_sent()
                 parts.append(event.text)
             elif isinstance(event, Done):
                 trace.done = event
@@ -175,7 +204,7 @@ async def stream_sse(
                 yield sse(opening)
             async for event in events:
                 if isinstance(event, TextDelta):
-                    trace.first_token = trace.first_token or time.monotonic()
+                    trace.text_sent()
                     yield sse(on_text(event.text))
                 elif isinstance(event, KeepAlive):
                     yield SSE_KEEPALIVE
@@ -186,11 +215,11 @@ async def stream_sse(
         yield SSE_DONE
     except MlxdError as e:
         # Mid-stream failure: one frame in the API's error shape, then the end of the stream.
-        trace.outcome = _outcome(e)
+        trace.fail(e)
         yield sse(ErrorBody(ErrorDetail(message=redact(e.message), type=e.type, code=e.type)))
         yield SSE_DONE
     except BaseException as e:
-        trace.outcome = _outcome(e)
+        trace.fail(e)
         raise
     finally:
         trace.log()

@@ -21,6 +21,14 @@ class ServerConfig(Base):
     # On SIGTERM: stop accepting (503 with Retry-After), let running requests finish for this long, then end the
     # rest with a final error event and exit 0. A second signal exits at once.
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # API keys, one per line (blank lines and `#` comments ignored; relative to the config's folder); the
+    # MLXD_API_KEYS environment variable adds comma-separated ones. With no keys at all the API is open.
+    api_keys_file: str = ""
+    # Keys for /v1/status request details, DELETE /v1/cache and the page at /; MLXD_ADMIN_KEYS adds more. With
+    # none, every API key is an admin key.
+    admin_keys_file: str = ""
+    # /metrics asks for an API key too (it is open by default, for scrapers).
+    metrics_need_key: bool = False
 
 
 class SamplingDefaults(Base):
@@ -58,7 +66,8 @@ class EngineConfig(Base):
     # Tokens one engine step processes: one per decoding request, the rest for prompt chunks (at least one
     # chunk a step). Smaller keeps running streams smoother while long prompts arrive.
     step_token_budget: Annotated[int, msgspec.Meta(ge=1)] = 512
-    # The prompt chunk warm-up runs; match the prefill stage's chunk_size.
+    # Prompt tokens per forward pass (the prefill stage's chunks, and the chunk warm-up compiles for); smaller
+    # chunks let running streams interleave sooner. The only place this is set.
     prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 512
     # Rotating KV cache size (tokens); 0 keeps the whole context.
     max_kv_size: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -91,5 +100,6 @@ class DaemonConfig(Base):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
     logging: LoggingConfig = LoggingConfig()
-    # A pipeline name (a file under pipelines/), a path to a pipeline TOML file, or inline [[pipeline.stages]].
+    # A pipeline name (pipelines/NAME.toml beside the config, else the built-in mlxd/pipelines/NAME.toml), a path
+    # to a pipeline TOML file, or inline [[pipeline.stages]].
     pipeline: str | PipelineSpec = "chat"

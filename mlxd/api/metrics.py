@@ -1,0 +1,105 @@
+"""Prometheus metrics for ``GET /metrics``, every name prefixed ``mlxd_``.
+
+Two sources: each request's trace, when its log line is written (requests by endpoint and outcome, tokens, time
+to first token, gaps between tokens), and the engine, read when the metrics are scraped (running and waiting
+requests, the prefix cache, memory). Each app has its own registry, so several apps in one process (tests) never
+share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mlxd.api.respond import Trace
+from mlxd.daemon import Daemon
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CACHE_HIT_KINDS = ("exact", "prefix", "longer", "diverged")
+
+
+class Metrics:
+    """The registry of one app: request metrics fed by :meth:`observe`, engine metrics read on scrape."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter("mlxd_requests", "Requests that reached the pipeline, by endpoint and outcome "
+                                "(ok, client_disconnected, error_<status>).", ["endpoint", "outcome"],
+                                registry=registry)
+        self.prompt_tokens = Counter("mlxd_prompt_tokens", "Prompt tokens of finished requests.", registry=registry)
+        self.cached_tokens = Counter("mlxd_cached_tokens", "Prompt tokens of finished requests that the prefix "
+                                     "cache supplied.", registry=registry)
+        self.generated_tokens = Counter("mlxd_generated_tokens", "Tokens generated for finished requests.",
+                                        registry=registry)
+        self.ttft = Histogram("mlxd_ttft_seconds", "Seconds from a request's arrival to its first text.",
+                              buckets=TTFT_BUCKETS, registry=registry)
+        self.inter_token = Histogram("mlxd_inter_token_seconds", "Seconds between consecutive pieces of text "
+                                     "sent for a request (one token each, unless the detokenizer held text back).",
+                                     buckets=INTER_TOKEN_BUCKETS, registry=registry)
+        registry.register(EngineCollector(daemon))
+
+    def observe(self, trace: Trace) -> None:
+        """Count one request from its trace (called as its log line is written)."""
+        self.requests.labels(trace.endpoint, trace.result).inc()
+        if trace.done is not None:
+            self.prompt_tokens.inc(trace.done.num_prompt_tokens)
+            self.cached_tokens.inc(trace.done.num_cached_tokens)
+            self.generated_tokens.inc(trace.done.num_completion_tokens)
+        if trace.first_token is not None:
+            self.ttft.observe(trace.first_token - trace.started)
+        for gap in trace.gaps:
+            self.inter_token.observe(gap)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of everything in this registry."""
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from the engine at scrape time; nothing while no engine is loaded."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not read the engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.daemon.engine
+        if engine is None or self.daemon.state not in ("ready", "draining"):
+            return
+        status = engine.status()
+        yield _gauge("mlxd_running", "Requests in the running batch (prefilling or decoding).",
+                     len(status["running"]))
+        yield _gauge("mlxd_waiting", "Requests waiting for a running slot.", len(status["waiting"]))
+        yield from _cache_metrics(engine.cache_stats())
+        memory = GaugeMetricFamily("mlxd_memory_bytes", "Memory by kind: active, peak and cache (the MLX "
+                                   "allocator), limit, weights, kv_reserved, kv_fixed, prefix_cache (admission).",
+                                   labels=["kind"])
+        for key, value in status["memory"].items():
+            if key.endswith("_bytes") and isinstance(value, int | float):
+                memory.add_metric([key.removesuffix("_bytes")], value)
+        yield memory
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    yield _gauge("mlxd_prefix_cache_bytes", "Bytes of prompt state the prefix cache holds.", stats.get("num_bytes", 0))
+    hits = CounterMetricFamily("mlxd_prefix_cache_hits", "Prefix-cache hits by kind: exact, prefix (a shorter "
+                               "cached prompt), longer (trimmed back), diverged (a shared start).", labels=["kind"])
+    for kind in CACHE_HIT_KINDS:
+        hits.add_metric([kind], stats.get("hits", {}).get(kind, 0))
+    yield hits
+    yield CounterMetricFamily("mlxd_prefix_cache_misses", "Prefix-cache lookups that found nothing to reuse.",
+                              value=stats.get("num_misses", 0))
+    yield CounterMetricFamily("mlxd_prefix_cache_evictions", "Prefix-cache entries evicted to stay within the "
+                              "budget.", value=stats.get("num_evictions", 0))

@@ -1,0 +1,97 @@
+"""GET /metrics: the Prometheus exposition parsed back, its counts checked against what was sent and against
+/v1/status and /v1/cache/stats."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlxd.api.metrics import Metrics
+from mlxd.api.respond import Trace
+from mlxd.pipeline.job import Done, Job
+from tests.helpers import app_client, sse_events, write_config
+
+MESSAGES = [{"role": "user", "content": "Tell me about cats."}]
+
+
+def scrape(client) -> dict[str, list]:
+    """Samples by sample name (``mlxd_requests_total``, ``mlxd_ttft_seconds_count``, …)."""
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(response.text):
+        assert family.name.startswith("mlxd_"), family.name
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    found = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (name, labels, samples.get(name))
+    return found[0]
+
+
+def test_counts_match_what_was_sent(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, model_extra="context_length = 512")
+    with app_client(config) as (client, _):
+        usages = []
+        for max_tokens in (6, 8, 8):  # the last two are the same request: a prefix-cache hit
+            response = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                                  "max_tokens": max_tokens})
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+            usages.append(response.json()["usage"])
+        before = scrape(client)
+        num_chunks = []
+        for prompt in ("Once upon a time", "def f(x):"):
+            response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                            "stream": True, "stream_options": {"include_usage": True}})
+            frames = sse_events(response.text)
+            num_chunks.append(sum(1 for f in frames[:-1] if f["choices"] and f["choices"][0]["text"]))
+            usages.append(frames[-2]["usage"])
+        too_long = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                             "messages": [{"role": "user", "content": "word " * 600}]})
+        assert too_long.status_code == 400
+
+        samples = scrape(client)
+        assert value(samples, "mlxd_requests_total", endpoint="chat", outcome="ok") == 3
+        assert value(samples, "mlxd_requests_total", endpoint="completions", outcome="ok") == 2
+        assert value(samples, "mlxd_requests_total", endpoint="chat", outcome="error_400") == 1
+        assert value(samples, "mlxd_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+        assert value(samples, "mlxd_generated_tokens_total") == sum(u["completion_tokens"] for u in usages)
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+        assert cached > 0
+        assert value(samples, "mlxd_cached_tokens_total") == cached
+        # Every successful request got text: one time to first token each; the refused one has none.
+        assert value(samples, "mlxd_ttft_seconds_count") == 5
+        assert value(samples, "mlxd_ttft_seconds_bucket", le="+Inf") == 5
+        assert 0 < value(samples, "mlxd_ttft_seconds_sum") < 60
+        # Streams: one gap between each two consecutive text chunks the client received.
+        gaps = value(samples, "mlxd_inter_token_seconds_count") - value(before, "mlxd_inter_token_seconds_count")
+        assert gaps == sum(n - 1 for n in num_chunks)
+
+        status, stats = client.get("/v1/status").json(), client.get("/v1/cache/stats").json()
+        assert value(samples, "mlxd_running") == 0 and value(samples, "mlxd_waiting") == 0
+        for kind in ("exact", "prefix", "longer", "diverged"):
+            assert value(samples, "mlxd_prefix_cache_hits_total", kind=kind) == stats["hits"][kind]
+        assert stats["num_hits"] >= 1
+        assert value(samples, "mlxd_prefix_cache_misses_total") == stats["num_misses"]
+        assert value(samples, "mlxd_prefix_cache_evictions_total") == stats["num_evictions"]
+        assert value(samples, "mlxd_prefix_cache_bytes") == stats["num_bytes"] > 0
+        assert value(samples, "mlxd_memory_bytes", kind="active") > 0
+        assert value(samples, "mlxd_memory_bytes", kind="weights") == status["memory"]["weights_bytes"]
+        assert value(samples, "mlxd_memory_bytes", kind="limit") == status["memory"]["limit_bytes"]
+
+
+def test_each_app_has_its_own_registry():
+    class NoEngine:
+        engine, state = None, "loading"
+
+    first, second = Metrics(NoEngine()), Metrics(NoEngine())
+    trace = Trace(Job("r1", "tiny"), "chat", started=0.0, first_token=0.5)
+    trace.done = Done(finish_reason="stop", num_prompt_tokens=7, num_completion_tokens=3)
+    first.observe(trace)
+    assert b'mlxd_requests_total{endpoint="chat",outcome="ok"} 1.0' in first.exposition()
+    assert b"mlxd_prompt_tokens_total 7.0" in first.exposition()
+    assert b"mlxd_requests_total{" not in second.exposition()
+    assert b"mlxd_running" not in second.exposition()  # no engine yet: no engine gauges
