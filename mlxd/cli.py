@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mlxd import __version__
-from mlxd.errors import MlxdError
+from mlxd.errors import ConfigError, MlxdError
 
 DESCRIPTION = """\
 mlxd serves an MLX language model over OpenAI-compatible HTTP endpoints, as a pipeline of stages
@@ -15,15 +15,22 @@ assembled from a TOML config.
 
   mlxd --config configs/default.toml            serve (host/port from the file's [server] table)
   mlxd --config FILE --host 0.0.0.0 --port 9000 serve, overriding the file's host and port
-  mlxd check-config FILE                         validate a config and its pipeline, check that the model
-                                                 source exists, print the pipeline; exit non-zero naming
-                                                 the file, stage and field on errors
+  mlxd check-config FILE [--host H] [--port N]   validate a config and its pipeline, check that the model
+                                                 source exists, print every setting's value and where it
+                                                 came from (default, file, flag) and the pipeline; exit
+                                                 non-zero naming the file, stage and field on errors
+  mlxd --config FILE --log-file PATH             append log lines to PATH instead of stderr (SIGHUP reopens
+                                                 it and re-reads the file's [logging] table)
+  mlxd service install|uninstall|print --config FILE
+                                                 write a launchd plist (macOS) or a systemd unit (Linux) that
+                                                 runs this mlxd with FILE; see `mlxd service --help`
 
 Exit codes: 0 after a clean shutdown (SIGTERM/SIGINT drain), 1 when the model fails to load or the engine
 stops, 2 for a bad config or a missing model source, 128+N after a second signal N.
 
 Environment: MLXD_CACHE_DIR (converted models; default ~/.cache/mlxd), MLXD_OPENBLAS=0 to run without
-OpenBLAS on Linux, or MLXD_OPENBLAS=/path/libopenblas.so.0 to choose the library.
+OpenBLAS on Linux, =pip or =system to choose the pip wheel's or the distribution's, or =/path/libopenblas.so.0; MLXD_API_KEYS and
+MLXD_ADMIN_KEYS (comma separated) add to [server] api_keys_file and admin_keys_file.
 """
 
 
@@ -34,14 +41,28 @@ def serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", "-c", required=True, type=Path, help="daemon config (TOML)")
     parser.add_argument("--host", help="listen address (overrides [server] host)")
     parser.add_argument("--port", type=int, help="listen port (overrides [server] port)")
+    parser.add_argument("--log-file", type=Path,
+                        help="append log lines to this file instead of stderr; SIGHUP reopens it")
     parser.add_argument("--version", action="version", version=f"mlxd {__version__}")
     return parser
 
 
 def check_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxd check-config", description="Validate a config without loading the model.")
+    parser = argparse.ArgumentParser(
+        prog="mlxd check-config",
+        description="Validate a config without loading the model; print every setting's effective value and "
+                    "where it came from (default, file or flag) and the assembled pipeline.",
+    )
     parser.add_argument("config", type=Path, help="daemon config (TOML)")
+    parser.add_argument("--host", help="as for serving: show the effect of overriding [server] host")
+    parser.add_argument("--port", type=int, help="as for serving: show the effect of overriding [server] port")
     return parser
+
+
+def serve_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The settings serve-time flags override, by dotted name (``server.port``)."""
+    flags = {"server.host": args.host, "server.port": args.port}
+    return {key: value for key, value in flags.items() if value is not None}
 
 
 def load_everything(path: Path):
@@ -61,9 +82,18 @@ def check_config(argv: list[str]) -> int:
     from mlxd.models.load import check_source
 
     check_source(model.source, args.config.resolve().parent)
+    from mlxd.api.auth import load_keys
+
+    keys = load_keys(config.server, args.config.resolve().parent)  # a missing keys file fails here, not at start
+    from mlxd.config.effective import apply_flags, effective_settings
+    from mlxd.config.load import read_toml
+
+    flags = serve_flags(args)
     print(f"{args.config}: OK")
-    print(f"model: {model.source} (kind={model.kind}, name={model.name or '(from source)'}, aliases={model.aliases})")
-    print(f"server: {config.server.host}:{config.server.port}; engine: {config.engine.type}")
+    for setting in effective_settings(apply_flags(config, flags), read_toml(args.config), flags):
+        print(setting.describe())
+    print(f"api keys: {len(keys.api)} (admin: {len(keys.admin) or 'any valid key'})" if keys.enabled
+          else "api keys: none (every endpoint is open)")
     print(pipeline.describe())
     return 0
 
@@ -74,9 +104,8 @@ def serve(argv: list[str]) -> int:
 
     maybe_reexec_with_openblas(sys.argv[1:])
     config, pipeline = load_everything(args.config)
-    import msgspec
-
     from mlxd.api.app import create_app
+    from mlxd.config.effective import apply_flags
     from mlxd.daemon import Daemon
     from mlxd.log import configure_logging, get_logger
     from mlxd.models.load import check_source
@@ -84,15 +113,16 @@ def serve(argv: list[str]) -> int:
 
     check_source(config.model.source, args.config.resolve().parent)  # a missing model fails before the port
 
-    server = msgspec.structs.replace(
-        config.server, host=args.host or config.server.host, port=args.port or config.server.port
-    )
-    config = msgspec.structs.replace(config, server=server)
-    configure_logging(config.logging.level, config.logging.format)
+    config = apply_flags(config, serve_flags(args))
+    server = config.server
+    try:
+        configure_logging(config.logging.level, config.logging.format, file=args.log_file)
+    except OSError as e:
+        raise ConfigError(f"--log-file {args.log_file}: cannot open it: {e.strerror or e}") from e
     get_logger("mlxd").info("starting", config=str(args.config), host=server.host, port=server.port,
                             pipeline=[name for name, _ in pipeline.stages])
     daemon = Daemon(config, pipeline, base_dir=args.config.resolve().parent)
-    return run_server(create_app(daemon), daemon)
+    return run_server(create_app(daemon), daemon, config_path=args.config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "check-config":
             return check_config(argv[1:])
+        if argv and argv[0] == "service":
+            from mlxd.service import main as service_main
+
+            return service_main(argv[1:])
         return serve(argv)
     except MlxdError as e:
         print(f"mlxd: error: {e.message}", file=sys.stderr)

@@ -99,7 +99,7 @@ class Daemon:
         """Load the model, start and warm the engine, warm the pipeline's stages (blocking)."""
         from mlxd.engine.factory import make_engine as default_make_engine
         from mlxd.models.load import load, platform_summary
-        from mlxd.runtime.blas import mapped_blas
+        from mlxd.runtime.blas import mapped_blas, reference_blas_warning
 
         started = time.monotonic()
         loaded = load(self.config.model, self.base_dir)
@@ -119,16 +119,19 @@ class Daemon:
         self.load_s = time.monotonic() - started
         if self.state == "loading":  # not failed or draining meanwhile
             self.state = "ready"
+        blas, summary = mapped_blas(), platform_summary()
         log.info(
             "model_ready",
             model=self.name,
             path=str(loaded.path),
             dtype=loaded.dtype,
             context_length=loaded.context_length,
-            blas=mapped_blas(),
+            blas=blas,
             load_s=round(time.monotonic() - started, 2),
-            **platform_summary(),
+            **summary,
         )
+        if (warning := reference_blas_warning(loaded.dtype, summary["device"], blas)) is not None:
+            log.warning("reference_blas", message=warning)
 
     def close(self) -> None:
         """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""

@@ -20,17 +20,19 @@ from mlxd.cli import load_everything
 from mlxd.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAT_PIPELINE = ROOT / "pipelines" / "chat.toml"
+CHAT_PIPELINE = ROOT / "mlxd" / "pipelines" / "chat.toml"
 
 
 def write_config(tmp: Path, model_dir: Path, *, pipeline: str | None = None, extra: str = "",
-                 model_extra: str = "", port: int = 8080) -> Path:
-    """A daemon config for a tiny model; greedy by default so outputs are comparable."""
+                 model_extra: str = "", server_extra: str = "", port: int = 8080) -> Path:
+    """A daemon config for a tiny model; greedy by default so outputs are comparable. ``extra`` is appended
+    (whole tables); ``model_extra`` and ``server_extra`` are lines added to ``[model]`` and ``[server]``."""
     pipeline_line = pipeline if pipeline is not None else f'pipeline = "{CHAT_PIPELINE}"'
     text = f"""{pipeline_line}
 [server]
 port = {port}
 keepalive_s = 0.5
+{server_extra}
 [model]
 source = "{model_dir}"
 name = "tiny"
@@ -68,13 +70,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_subprocess(config_path: Path, port: int, env: dict[str, str] | None = None,
-                     timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``python -m mlxd --config ... --port`` as a real process; yields (base URL, process)."""
+def serve_subprocess(config_path: Path, port: int, env: dict[str, str] | None = None, timeout: float = 180,
+                     args: list[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m mlxd --config ... --port ... *args`` as a real process; yields (base URL, process)."""
     log_path = config_path.parent / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd", "--config", str(config_path), "--port", str(port)],
+            [sys.executable, "-m", "mlxd", "--config", str(config_path), "--port", str(port), *(args or [])],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
     base = f"http://127.0.0.1:{port}"
