@@ -104,17 +104,17 @@ class Daemon:
         started = time.monotonic()
         loaded = load(self.config.model, self.base_dir)
         tokenizer = loaded.tokenizer
+        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model)
+        self.engine.on_failure = self._engine_failed
+        self.engine.start()
         self.model_info = ModelInfo(
             name=self.name,
             context_length=loaded.context_length,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             special_token_ids=special_token_ids(tokenizer),
             kind=loaded.kind,
-            vocab_size=loaded.vocab_size,
+            vocab_size=self.engine.vocab_size,  # the logits width, measured at warm-up
         )
-        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model)
-        self.engine.on_failure = self._engine_failed
-        self.engine.start()
         self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine))
         self.load_s = time.monotonic() - started
         if self.state == "loading":  # not failed or draining meanwhile

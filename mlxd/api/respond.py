@@ -116,7 +116,6 @@ async def start(pipeline: Pipeline, job: Job, endpoint: str,
         first = await anext(events, None)
     except MlxdError as e:
         trace.fail(e)
-        trace.outcome = f"error {e.status}"
         trace.log()
         raise
     return _prepend(first, events), trace

@@ -150,6 +150,8 @@ class Engine(Protocol):
     # called with that reason from the engine thread as it ends.
     failure: str | None
     on_failure: Callable[[str], None] | None
+    # The model's logits width, known once started: token ids at or above it are outside the vocabulary.
+    vocab_size: int
 
     def stop(self) -> None:
         """Abort everything and join the engine thread."""

@@ -38,12 +38,13 @@ from mlxd.engine.batch import (
     process_prompt,
     process_prompts,
     reset_random_state,
+    warm_up_shapes,
 )
 from mlxd.engine.front import EngineFront, Submitted
 from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.scheduler import SequenceState
+from mlxd.engine.scheduler import prompts_to_batch
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
@@ -107,9 +108,8 @@ class BatchedEngine(EngineFront):
             self._send()
 
     def _warm_up(self) -> None:
-        """Run the shapes serving will use (a full prompt chunk; decode batches of 1, 2, 4, … max_running):
-        MLX's GPU backends compile kernels per shape, and the first request should not pay for it. Measures what
-        admission counts first: the weights and a request's cache (:mod:`mlxd.engine.memory`)."""
+        """Measure what admission counts (the weights and a request's cache, :mod:`mlxd.engine.memory`) and the
+        logits width, then run the shapes serving will use (:func:`warm_up_shapes`)."""
         self.memory = measure_memory(self.model, limit_bytes=self.config.memory_limit_bytes,
                                      max_kv_size=self.config.max_kv_size)
         self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
@@ -117,18 +117,7 @@ class BatchedEngine(EngineFront):
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
                  kv_fixed_bytes=self.memory.kv.num_fixed_bytes)
         self.vocab_size = logits_width(self.model)
-        greedy, chunk = SamplingParams(), self.config.prefill_chunk
-        row = Row.for_request("warm-up", greedy, self.model, self.config.max_kv_size)
-        process_prompt(self.model, row, [1] * chunk, last=False)
-        sizes = sorted({min(1 << i, self.config.max_running) for i in range(self.config.max_running.bit_length())})
-        for size in sizes:
-            batch = DecodeBatch(self.model)
-            for i in range(size):
-                row = Row.for_request(f"warm-up-{i}", greedy, self.model, self.config.max_kv_size)
-                batch.add(row, process_prompt(self.model, row, [1, 2, 3, 4], last=True))
-            for _ in range(max(1, self.config.warmup_tokens)):
-                batch.step()
-        mx.clear_cache()
+        warm_up_shapes(self.model, self.config)
 
     def _apply_inbox(self, block: bool) -> bool:
         """Apply queued commands; return False once asked to stop."""
@@ -187,7 +176,7 @@ class BatchedEngine(EngineFront):
         self._make_room()
         plan = self.scheduler.schedule()
         # Whole short prompts share a forward pass, except where snapshots must land on checkpoints.
-        together = self._prompts_together(plan.prefill) if self._trimmable else []
+        together = prompts_to_batch(plan.prefill) if self._trimmable else []
         for state, num_tokens in plan.prefill:
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
@@ -229,19 +218,6 @@ class BatchedEngine(EngineFront):
         if first is not None:
             del self._prefilling[request.request_id]
             self.batch.add(row, first)
-
-    @staticmethod
-    def _prompts_together(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
-        """Whole prompts (one chunk each) worth one left-padded forward pass: the shortest ones, as many as keep
-        the padded batch within twice their real tokens."""
-        whole = sorted((s for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens),
-                       key=lambda s: s.num_prompt_tokens)
-        total, count = 0, 0
-        for i, state in enumerate(whole):
-            total += state.num_prompt_tokens
-            if (i + 1) * state.num_prompt_tokens <= 2 * total:
-                count = i + 1
-        return whole[:count] if count > 1 else []
 
     def _prefill_together(self, group: list[Submitted]) -> None:
         """Process whole short prompts in one forward pass; they join the decode batch together. Should the pass

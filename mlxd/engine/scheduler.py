@@ -200,3 +200,16 @@ class Scheduler:
                     queue.remove(sequence)
                     return sequence
         return None
+
+
+def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
+    """Of a step's prompt chunks, the whole prompts (one chunk each) worth one left-padded forward pass: the
+    shortest ones, as many as keep the padded batch within twice their real tokens (none if fewer than two)."""
+    whole = sorted((s for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens),
+                   key=lambda s: s.num_prompt_tokens)
+    total, count = 0, 0
+    for i, state in enumerate(whole):
+        total += state.num_prompt_tokens
+        if (i + 1) * state.num_prompt_tokens <= 2 * total:
+            count = i + 1
+    return whole[:count] if count > 1 else []

@@ -33,7 +33,6 @@ class LoadedModel:
     kind: str
     context_length: int
     dtype: str
-    vocab_size: int = 0
 
 
 def resolve_source(source: str, base_dir: Path | None = None) -> Path:
@@ -119,9 +118,7 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
     context = config.context_length or int(model_config.get("max_position_embeddings") or 4096)
-    vocab = int(model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size") or 0)
-    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model),
-                       vocab_size=vocab or len(tokenizer))
+    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model))
 
 
 def _read_template(value: str, base_dir: Path | None) -> str:
