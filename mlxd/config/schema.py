@@ -75,12 +75,35 @@ class EngineConfig(Base):
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
+    # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
+    # re-sent in a later turn costs no vision-tower run; 0 turns it off.
+    vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512 * 1024**2
     # A request that waits in the queue longer than this gets 503 instead of waiting forever (0: no limit).
     max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     # Memory admission: the KV cache a request can grow to (prompt + max_tokens) is counted against this, less the
     # weights and the prefix cache (which gives way first). 0: the device's recommended working set on Metal/CUDA,
     # a share of RAM on the CPU.
     memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class VisionConfig(Base):
+    """Image inputs of vision-language models (``mlxd.media``): where images may come from and how large."""
+
+    # http(s) image URLs are refused unless this is true. Every address a host resolves to must be public (no
+    # loopback, private, link-local or cloud-metadata address), redirects included.
+    allow_remote: bool = False
+    # Seconds for a whole remote fetch: name resolution, connecting, redirects and the body (no "0: no limit").
+    remote_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    # Encoded bytes per image, for data: URIs, remote and local files alike.
+    max_image_bytes: Annotated[int, msgspec.Meta(ge=0)] = 20 * 1024**2
+    # file:// URLs and absolute paths are refused unless they lie under this folder (symlinks and `..`
+    # resolved; relative to the config's folder). Empty: no local files.
+    local_dir: str = ""
+    # Images per request; 0 refuses all images.
+    max_images: Annotated[int, msgspec.Meta(ge=0)] = 8
+    # Pixels per image: a larger image is downscaled to at most this many, aspect ratio kept (never refused for
+    # being merely large). The default is above the own limits of common VLM processors (Qwen2-VL: 12.8M).
+    max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
 
 
 class LoggingConfig(Base):
@@ -100,6 +123,7 @@ class DaemonConfig(Base):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
     logging: LoggingConfig = LoggingConfig()
+    vision: VisionConfig = VisionConfig()
     # A pipeline name (pipelines/NAME.toml beside the config, else the built-in mlxd/pipelines/NAME.toml), a path
     # to a pipeline TOML file, or inline [[pipeline.stages]].
     pipeline: str | PipelineSpec = "chat"
