@@ -73,3 +73,11 @@ def tiny_qwen3_next_dir(tiny_models_root: Path) -> Path:
     from mlxd.testing.tiny import tiny_model_cached
 
     return tiny_model_cached(tiny_models_root, "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tiny_models_root: Path):
+    """A factory: ``tiny_vlm("qwen2_5_vl")`` is the folder of that tiny random-weight vision-language model."""
+    from mlxd.testing.tiny_vlm import tiny_vlm_cached
+
+    return lambda family: tiny_vlm_cached(tiny_models_root, family)
