@@ -114,8 +114,10 @@ class Daemon:
             special_token_ids=special_token_ids(tokenizer),
             kind=loaded.kind,
             vocab_size=self.engine.vocab_size,  # the logits width, measured at warm-up
+            image_token_id=getattr(loaded.model, "image_token_id", None),
         )
-        self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine))
+        self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
+                                              processor=loaded.processor, base_dir=self.base_dir))
         self.load_s = time.monotonic() - started
         if self.state == "loading":  # not failed or draining meanwhile
             self.state = "ready"

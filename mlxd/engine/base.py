@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -27,6 +27,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
 
 
+class Media(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's images, processed for the model by the ``template`` stage; they travel with the token ids.
+
+    ``inputs`` are the processor's outputs besides the token ids (``pixel_values``, ``image_grid_thw``, ...), as
+    numpy arrays: the engine turns them into MLX arrays on its own thread. ``digests`` identify each image by its
+    bytes (sha256) and ``spans`` give each image's placeholder tokens in the prompt, ``[start, end)``, both in
+    prompt order: the prefix cache keys image spans by digest, the feature cache keys features by digest.
+    """
+
+    digests: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...]
+    inputs: dict[str, Any]
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """What a pipeline hands the engine: token ids in, at most ``max_tokens`` token ids out."""
 
@@ -39,6 +53,11 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # Prompt positions worth a prefix-cache snapshot (the end of the last message, before the generation
     # prompt): caches that cannot be trimmed can only hit at positions they were snapshotted at.
     checkpoints: tuple[int, ...] = ()
+    # Images (vision requests): their prompt chunks are run with the images' features merged in.
+    media: Media | None = None
+    # For /v1/status only: the path the ``route`` stage chose, and the rendered prompt (chat template applied).
+    route: str = "text"
+    prompt_text: str = ""
 
 
 class Token(msgspec.Struct, frozen=True):

@@ -48,6 +48,20 @@ class Row:
     processors: list
     history: mx.array | None = None
     cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
+    # A vision row's prompt: merged input embeddings and per-prompt inputs (mlxd.models.vlm.VisionPrompt).
+    vision: Any = None
+
+    @property
+    def rope_delta(self) -> int:
+        """Decode positions are cache offset + this (multimodal RoPE after an image), else 0."""
+        return self.vision.rope_delta if self.vision is not None else 0
+
+    def prompt_inputs(self, start: int, end: int) -> dict[str, Any]:
+        """What a prompt chunk ``[start, end)`` is run with besides its token ids: a vision row's embeddings
+        for the chunk and its per-prompt inputs (sliced at the cache offset by the model); nothing for text."""
+        if self.vision is None:
+            return {}
+        return {"embeds": self.vision.embeds[:, start:end], **self.vision.extras}
 
     @classmethod
     def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
@@ -127,14 +141,14 @@ def make_request_cache(model: Any, max_kv_size: int = 0) -> list[Any]:
     return [RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]
 
 
-def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool) -> mx.array | None:
-    """Run one prompt chunk through the model into the row's cache.
+def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start: int = 0) -> mx.array | None:
+    """Run one prompt chunk, which starts at prompt position ``start``, through the model into the row's cache.
 
     For the last chunk, sample the first generated token and return it (a lazy ``(1,)`` array); otherwise evaluate
     the cache and return ``None``.
     """
     inputs = mx.array(tokens, dtype=mx.uint32)
-    logits = model(inputs[None], cache=row.cache)
+    logits = model(inputs[None], cache=row.cache, **row.prompt_inputs(start, start + len(tokens)))
     if not last:
         if row.processors:
             row.history = inputs if row.history is None else mx.concatenate([row.history, inputs])
@@ -153,7 +167,8 @@ _LEFT_PADDABLE = (KVCache, RotatingKVCache, ArraysCache)
 
 def can_batch_prompts(rows: list[Row]) -> bool:
     """Whether these rows' (empty) caches can be merged into one left-padded batch for :func:`process_prompts`."""
-    return len(rows) > 1 and all(isinstance(c, _LEFT_PADDABLE) and c.empty() for row in rows for c in row.cache)
+    return len(rows) > 1 and all(row.vision is None and isinstance(c, _LEFT_PADDABLE) and c.empty()
+                                 for row in rows for c in row.cache)
 
 
 def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tuple[list[Any], mx.array]:
@@ -201,6 +216,9 @@ class DecodeBatch:
         # Rows whose next token could not be computed in the last step (request id → error); their input is a
         # placeholder. The engine ends them and empties this.
         self.errors: dict[str, Exception] = {}
+        # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
+        self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
+        self._rope_deltas: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -212,6 +230,7 @@ class DecodeBatch:
     def add(self, row: Row, first_token: mx.array) -> None:
         """Join a row whose prompt is processed; ``first_token`` is what :func:`process_prompt` sampled."""
         cache, row.cache = row.cache, []
+        self._rope_deltas = None
         if not self.rows:
             self.cache, self.inputs, self.rows = cache, first_token.reshape(1), [row]
             return
@@ -219,6 +238,7 @@ class DecodeBatch:
 
     def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
         """Join rows processed together by :func:`process_prompts` (``cache`` in batched form)."""
+        self._rope_deltas = None
         if not self.rows and len(rows) == 1:
             self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
             return
@@ -241,14 +261,14 @@ class DecodeBatch:
 
     def clear(self) -> None:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
-        self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
+        self.rows, self.cache, self.inputs, self.errors, self._rope_deltas = [], [], None, {}, None
 
     def remove(self, request_ids: set[str]) -> None:
         """Drop rows (finished or cancelled); their cache memory is released with them."""
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
         if len(keep) == len(self.rows):
             return
-        self.rows = [self.rows[i] for i in keep]
+        self.rows, self._rope_deltas = [self.rows[i] for i in keep], None
         if not keep:
             self.cache, self.inputs = [], None
             return
@@ -270,7 +290,7 @@ class DecodeBatch:
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
         inputs = self.inputs
-        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        logits = self.model(inputs[:, None], cache=self.cache, **self._position_inputs())[:, -1, :]
         logits = self._process(inputs, logits)
         if len(self.rows) == 1:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
@@ -282,6 +302,13 @@ class DecodeBatch:
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self._sample_each(logprobs)
         return inputs.tolist()
+
+    def _position_inputs(self) -> dict[str, mx.array]:
+        if not self.uses_rope_deltas:
+            return {}
+        if self._rope_deltas is None:
+            self._rope_deltas = mx.array([[row.rope_delta] for row in self.rows], dtype=mx.int32)
+        return {"rope_deltas": self._rope_deltas}
 
     def _sample_each(self, logprobs: mx.array) -> mx.array:
         """Sample row by row, evaluating each token, so a failure lands on its own row (the slow path)."""

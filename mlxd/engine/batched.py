@@ -45,6 +45,7 @@ from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.scheduler import prompts_to_batch
+from mlxd.engine.vision import VisionPrefill, prompt_key
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
@@ -76,6 +77,9 @@ class BatchedEngine(EngineFront):
         self._outbox: list[tuple[RequestHandle, Any]] = []  # events of this step, handed over together
         # Caches that cannot be trimmed (recurrent layers) hit only where snapshotted: at checkpoints.
         self._trimmable = is_trimmable(make_request_cache(model, config.max_kv_size))
+        # Vision-language models: image features (cached by image digest) merged into vision rows' prompts.
+        self.vision = (VisionPrefill(model, config.vision_feature_cache_bytes)
+                       if hasattr(model, "encode") else None)
 
     # ---- engine thread (the event-loop side is EngineFront) ----
 
@@ -162,7 +166,8 @@ class BatchedEngine(EngineFront):
     def _reuse_prefix(self, submitted: Submitted) -> None:
         """Start the prompt after the longest state the prefix cache holds for it."""
         request, state = submitted.request, submitted.state
-        hit = self.reuse.lookup(request.prompt)
+        submitted.cache_key = prompt_key(request)
+        hit = self.reuse.lookup(submitted.cache_key)
         state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
         if hit.cache is None:
             return
@@ -207,9 +212,10 @@ class BatchedEngine(EngineFront):
         num_tokens = self.reuse.chunk_end(start, num_tokens, request.checkpoints, self._trimmable)
         end = start + num_tokens
         try:
-            first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt))
+            first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt),
+                                   start=start)
             if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
-                self.reuse.keep(request.prompt[:end], row.cache)
+                self.reuse.keep(submitted.cache_key[:end], row.cache)
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
             self._fail(request.request_id, "prefill", e)
             return
@@ -262,6 +268,10 @@ class BatchedEngine(EngineFront):
             mx.random.seed(params.seed)
         row = Row.for_request(request.request_id, params, self.model, self.config.max_kv_size, cache,
                               make_sampler=self._make_sampler)
+        if request.media is not None:
+            if self.vision is None:
+                raise Refused("this model does not accept images")
+            row.vision = self.vision.prepare(request)
         self._prefilling[request.request_id] = row
         return row
 
@@ -321,7 +331,7 @@ class BatchedEngine(EngineFront):
         """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns."""
         submitted = self._requests.get(request_id)
         if submitted is not None and self.reuse.cache is not None:
-            tokens = submitted.request.prompt + submitted.generated
+            tokens = submitted.cache_key + submitted.generated
             self.reuse.keep(tokens, self.batch.row_cache(request_id))
 
     def _fail(self, request_id: str, phase: str, error: Exception) -> None:

@@ -35,6 +35,8 @@ class Submitted:
     # cache holds, so that it can be kept for the next turn of a conversation.
     generated: list[int] = field(default_factory=list)
     started_at: float | None = None  # when its first prompt chunk ran (admitted)
+    # The prompt as the prefix cache keys it (image placeholders keyed by image digest): set on admission.
+    cache_key: list[int] = field(default_factory=list)
 
 
 class EngineFront:
@@ -108,6 +110,8 @@ class EngineFront:
             num_prompt_tokens=len(request.prompt),
             prefill_chunk=request.prefill_chunk,
             max_tokens=request.max_tokens,
+            route=request.route,
+            prompt_text=request.prompt_text,
         )
         if self.memory is not None:  # a request that could never fit is a 400 now, not a wait forever
             state.num_kv_bytes = require_fits(self.memory, len(request.prompt), request.max_tokens,
@@ -143,7 +147,9 @@ class EngineFront:
         with self._lock:
             pending = [s.state for s in self._pending.values()]
             running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        vision = getattr(self, "vision", None)
         return {
+            **({"vision": vision.status()} if vision is not None else {}),
             "running": [s.snapshot() for s in running],
             "waiting": [s.snapshot() for s in [*waiting, *pending]],
             "limits": {

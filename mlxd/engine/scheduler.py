@@ -45,6 +45,8 @@ class SequenceState:
     # How the prefix cache served the prompt.
     cache_hit: str = "miss"
     num_cached_tokens: int = 0
+    route: str = "text"
+    prompt_text: str = ""  # the rendered prompt, shown (clipped) in /v1/status
 
     @property
     def num_prompt_remaining(self) -> int:
@@ -61,6 +63,8 @@ class SequenceState:
         return {
             "request_id": self.request_id,
             "phase": self.phase,
+            "route": self.route,
+            "prompt": _clip(self.prompt_text),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_prefilled_tokens": self.num_prefilled,
             "cache_hit": {"kind": self.cache_hit, "num_tokens": self.num_cached_tokens},
@@ -70,6 +74,13 @@ class SequenceState:
             "ttft_s": round(first - self.submitted_at, 4) if first is not None else None,
             "age_s": round(now - self.submitted_at, 3),
         }
+
+
+def _clip(text: str, limit: int = 4096) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}…[{len(text) - limit} characters]…{text[-half:]}"
 
 
 @dataclass(slots=True)

@@ -33,6 +33,8 @@ class LoadedModel:
     kind: str
     context_length: int
     dtype: str
+    # Vision models: mlx-vlm's processor (images → pixel inputs, placeholder tokens expanded in the prompt).
+    processor: Any = None
 
 
 def resolve_source(source: str, base_dir: Path | None = None) -> Path:
@@ -79,11 +81,14 @@ def check_source(source: str, base_dir: Path | None = None) -> Path:
 
 
 def detect_kind(folder: Path, requested: str) -> str:
+    """``vision`` for a checkpoint with a ``vision_config`` (unless ``text`` is asked for: then its language model
+    is served alone), else ``text``."""
     config = json.loads((folder / "config.json").read_text())
     kind = "vision" if "vision_config" in config else "text"
-    if requested != "auto" and requested != kind:
-        raise ModelLoadError(f"{folder} is a {kind} model but [model] kind = {requested!r}")
-    return kind
+    if requested == "vision" and kind == "text":
+        raise ModelLoadError(f"{folder} is a text model (its config.json has no vision_config) but [model] kind = "
+                             "'vision'")
+    return "text" if requested == "text" else kind
 
 
 def choose_dtype(requested: str) -> str | None:
@@ -100,16 +105,16 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
     """Load the configured model and tokenizer. Raises ``ModelLoadError`` with a readable reason."""
     folder = resolve_source(config.source, base_dir)
     kind = detect_kind(folder, config.kind)
-    if kind == "vision":
-        raise ModelLoadError(f"{folder} is a vision-language model; serving those is not supported yet")
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
-    from mlx_lm.utils import load as mlx_lm_load
 
-    try:
-        model, tokenizer, model_config = mlx_lm_load(str(folder), return_config=True)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+    processor = None
+    if kind == "vision":
+        from mlxd.models.vision_load import load_vision
+
+        model, tokenizer, processor, model_config = load_vision(folder)
+    else:
+        model, tokenizer, model_config = _load_text(folder)
     dtype = choose_dtype(config.dtype)
     if dtype is not None:
         model = dequantize_model(model)
@@ -117,8 +122,28 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
         mx.eval(model.parameters())
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
-    context = config.context_length or int(model_config.get("max_position_embeddings") or 4096)
-    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model))
+    context = config.context_length or _context_length(model_config)
+    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model), processor)
+
+
+def _load_text(folder: Path) -> tuple[Any, Any, dict]:
+    """mlx-lm's model for the folder; for a vision checkpoint, mlx-lm's text model of that family, which keeps the
+    language weights only (the vision tower is never loaded)."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        return mlx_lm_load(str(folder), return_config=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+
+
+def _context_length(model_config: dict) -> int:
+    """``max_position_embeddings`` of the config, or of its ``text_config`` (vision checkpoints keep it there)."""
+    for table in (model_config, model_config.get("text_config") or {}):
+        value = table.get("max_position_embeddings")
+        if value:
+            return int(value)
+    return 4096
 
 
 def _read_template(value: str, base_dir: Path | None) -> str:

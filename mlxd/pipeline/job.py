@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from mlxd.engine.base import EngineRequest, SamplingParams
+from mlxd.engine.base import EngineRequest, Media, SamplingParams
 
 
 @dataclass(slots=True)
@@ -25,7 +25,9 @@ class Job:
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = field(default_factory=list)
     # Filled by stages.
-    num_images: int = 0
+    num_images: int = 0  # image parts in the messages
+    images: list[Any] = field(default_factory=list)  # decoded (mlxd.media), in prompt order: vision models only
+    media: Media | None = None  # the images processed for the model, with their placeholder spans
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     checkpoints: tuple[int, ...] = ()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -34,6 +35,8 @@ class ModelInfo:
     kind: str = "text"
     # Token ids valid in requests (logit_bias keys, prompt ids): 0 <= id < vocab_size.
     vocab_size: int = 0
+    # Vision models: the placeholder token the processor repeats for each image's features.
+    image_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +47,10 @@ class PipelineContext:
     model: ModelInfo
     tokenizer: Any  # mlx_lm TokenizerWrapper (a Hugging Face tokenizer with a streaming detokenizer)
     engine: Engine
+    # Vision models: mlx-vlm's processor (images → pixel inputs, placeholders expanded); None for text models.
+    processor: Any = None
+    # The config file's folder: relative paths in the config ([vision] local_dir) start there.
+    base_dir: Path | None = None
 
 
 class Stage:

@@ -1,7 +1,10 @@
 """``normalize``: make real agent traffic render with the model's chat template.
 
 - OpenAI ``developer`` role → ``system``; legacy ``function`` role → ``tool``.
-- List-of-parts content is joined into text (images are counted for the ``route`` stage).
+- List-of-parts content is joined into text. For a vision model, a message with images keeps its parts: text parts
+  and one ``{"type": "image"}`` part where each image was, which the chat template renders as the image's
+  placeholder; the images themselves are fetched, checked and decoded here (``mlxd.media``), in prompt order. Image
+  parts sent to a text model, and video parts, are refused naming the part.
 - Assistant tool-call ``arguments`` given as a JSON string become a dict, for templates that iterate them.
 - Consecutive same-role messages are merged when the template requires alternation.
 - A system message in mid-conversation stays in place where the template renders it there; otherwise it
@@ -14,7 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from mlxd.config.schema import VisionConfig
 from mlxd.errors import RequestError
+from mlxd.media.parts import IMAGE_TYPES, collect_images, find_image_parts
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
@@ -38,6 +43,12 @@ class Normalize(Stage):
         self.mid_system_in_place = True
 
     def warm_up(self, ctx: PipelineContext) -> None:
+        self.accepts_images = ctx.model.kind == "vision"
+        self.vision = ctx.config.vision if ctx.config is not None else VisionConfig()
+        self.base_dir = ctx.base_dir
+        # Tests inject these: a resolver (host → addresses) and hosts exempt from the address checks.
+        self.resolver: Any = None
+        self.allow_hosts: frozenset[str] = frozenset()
         if self.config.merge_consecutive == "auto":
             self.requires_alternation = not _renders(ctx.tokenizer, _probe_consecutive())
         marker = "MLXD-PROBE-7f3a"
@@ -46,6 +57,7 @@ class Normalize(Stage):
     def prepare(self, job: Job) -> None:
         if job.messages is None:
             return
+        self._take_images(job)
         messages = [self._message(m, job) for m in job.messages]
         messages = self._place_system(messages)
         if self.requires_alternation:
@@ -57,14 +69,29 @@ class Normalize(Stage):
         out["role"] = ROLE_ALIASES.get(out["role"], out["role"])
         content = out.get("content")
         if isinstance(content, list):
-            texts = [p.get("text") or "" for p in content if p.get("type") in ("text", "input_text")]
-            job.num_images += sum(1 for p in content if "image" in p.get("type", ""))
-            out["content"] = self.config.part_separator.join(texts)
+            if self.accepts_images and any(is_image_part(p) for p in content):
+                out["content"] = [_template_part(p) for p in content if is_image_part(p) or _text_of(p) is not None]
+            else:
+                texts = [_text_of(p) for p in content]
+                out["content"] = self.config.part_separator.join(t for t in texts if t is not None)
         elif content is None:
             out["content"] = ""
         if "tool_calls" in out:
             out["tool_calls"] = [_parse_arguments(call) for call in out["tool_calls"]]
         return out
+
+    def _take_images(self, job: Job) -> None:
+        """Count the image parts; for a vision model fetch and decode them, else refuse the first one."""
+        parts = find_image_parts(job.messages, max_images=self.vision.max_images if self.accepts_images else 1 << 30)
+        job.num_images = len(parts)
+        if not parts:
+            return
+        if not self.accepts_images:
+            raise RequestError(f"model {job.model!r} is a text model and does not accept images "
+                               f"({len(parts)} image part(s) in the request)", param=parts[0].param)
+        found = collect_images(job.messages, config=self.vision, base_dir=self.base_dir,
+                               resolver=self.resolver, allow_hosts=self.allow_hosts)
+        job.images = list(found)  # each with .image (PIL, RGB) and .digest
 
     def _place_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         first_other = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -81,6 +108,18 @@ class Normalize(Stage):
             for m in rest
         ]
         return head + marked
+
+
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
+
+
+def _text_of(part: dict[str, Any]) -> str | None:
+    return (part.get("text") or "") if part.get("type") in ("text", "input_text") else None
+
+
+def _template_part(part: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "image"} if is_image_part(part) else {"type": "text", "text": _text_of(part)}
 
 
 def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:

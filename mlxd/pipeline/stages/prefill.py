@@ -49,4 +49,7 @@ class Prefill(Stage):
             stop_token_ids=self.eos_token_ids,
             prefill_chunk=self.prefill_chunk,
             checkpoints=job.checkpoints,
+            media=job.media,
+            route=job.route or "text",
+            prompt_text=job.prompt_text,
         )

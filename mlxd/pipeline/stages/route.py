@@ -1,4 +1,9 @@
-"""``route``: choose the model path for a request (text only for now; vision joins with its issue)."""
+"""``route``: choose the model path for a request.
+
+``vision``: the request has images (processed by ``template``); its prompt chunks run with the images' features
+merged in, then it decodes in the same batch as everything else. ``text``: no images; the vision tower is never
+touched, also on a vision model. The route is in the request's log line and in ``/v1/status``.
+"""
 
 from __future__ import annotations
 
@@ -20,4 +25,7 @@ class Route(Stage):
                 f"({job.num_images} image part(s) in the request)",
                 param="messages",
             )
-        job.route = "vision" if job.num_images else "text"
+        if job.num_images and job.media is None:
+            raise RequestError("the request has images but the pipeline did not process them: put the `template` "
+                               "stage before `route`", param="messages")
+        job.route = "vision" if job.media is not None else "text"

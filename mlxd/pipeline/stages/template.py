@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from mlxd.errors import ContextLengthExceeded, RequestError
+from mlxd.log import get_logger
+from mlxd.pipeline.images import ImageInputs
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+
+log = get_logger("mlxd.pipeline")
 
 # A token never stands for more text than the UTF-8 bytes of its vocabulary entry (byte-level BPE and SentencePiece
 # alike); a normalizer such as NFKC can fold up to 3 bytes of input into 1, hence the margin.
@@ -21,8 +25,15 @@ def max_token_bytes(tokenizer: Any) -> int:
 def num_rendered_bytes(messages: list[dict[str, Any]]) -> int:
     """Bytes of content every chat template renders verbatim: all but assistant turns (templates may drop
     reasoning from those once they are history)."""
-    return sum(len(m["content"].encode()) for m in messages
-               if m.get("role") != "assistant" and isinstance(m.get("content"), str))
+    return sum(len(_text(m.get("content")).encode()) for m in messages if m.get("role") != "assistant")
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # vision messages keep their parts: text parts and image placeholders
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return ""
 
 
 class TemplateConfig(NoOptions, frozen=True):
@@ -37,6 +48,7 @@ class Template(Stage):
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
+        self.images = ImageInputs(ctx.processor, ctx.model.image_token_id) if ctx.processor is not None else None
         self.context_length = ctx.model.context_length
         self.max_prompt_bytes = ctx.model.context_length * max_token_bytes(ctx.tokenizer) * _NORMALIZER_MARGIN
 
@@ -44,9 +56,14 @@ class Template(Stage):
         if job.messages is not None:
             self._refuse_oversized(num_rendered_bytes(job.messages), "messages")
             job.prompt_text = self._render(job, self.config.add_generation_prompt)
-            job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
+            if job.images and self.images is not None:
+                job.prompt_ids, job.media = self.images.process(job.prompt_text, job.images)
+            else:
+                job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
             boundary = self._last_message_boundary(job)
             job.checkpoints = (boundary,) if boundary else ()
+            log.debug("prompt_rendered", request_id=job.request_id, prompt=job.prompt_text,
+                      num_tokens=len(job.prompt_ids), num_images=len(job.images))
         elif isinstance(job.prompt, str):
             self._refuse_oversized(len(job.prompt.encode()), "prompt")
             job.prompt_text = job.prompt

@@ -1,0 +1,107 @@
+"""How the engine prepares a vision row's prompt: image features (through the feature cache), then the merged
+input embeddings its prompt chunks run with. Everything else about a vision row (chunks, cache, decode batch) is
+what a text row does.
+
+The feature cache keeps each image's vision-tower output by the image's content digest, within a byte budget (least
+recently used first out): an image re-sent in a later turn, or after a different system prompt, costs no
+vision-tower call. Families whose image inputs cannot be split per image run the vision tower on every request
+(``mlxd.models.vlm`` lists the families that split).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxd.engine.base import EngineRequest
+
+
+def prompt_key(request: EngineRequest) -> list[int]:
+    """The prefix-cache key of a prompt: its token ids, with the first placeholder token of each image replaced by
+    a key derived from the image's digest (a negative number: never a token id). Cached state that covers an
+    image's placeholders is then reused only for the same image bytes."""
+    key = list(request.prompt)
+    media = request.media
+    if media is not None:
+        for (start, _), digest in zip(media.spans, media.digests, strict=True):
+            key[start] = -1 - int(digest[:15], 16)
+    return key
+
+
+class FeatureCache:
+    """Vision-tower outputs by image digest, within ``budget_bytes`` (0: off)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.num_bytes = 0
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def get(self, key: str) -> Any | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.num_misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.num_hits += 1
+        return entry[0]
+
+    def put(self, key: str, features: Any) -> None:
+        num_bytes = sum(a.nbytes for _, a in tree_flatten(features))
+        if num_bytes > self.budget_bytes or key in self._entries:
+            return
+        self._entries[key] = (features, num_bytes)
+        self.num_bytes += num_bytes
+        while self.num_bytes > self.budget_bytes:
+            _, (_, freed) = self._entries.popitem(last=False)
+            self.num_bytes -= freed
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.num_bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "bytes": self.num_bytes, "budget_bytes": self.budget_bytes,
+                "hits": self.num_hits, "misses": self.num_misses}
+
+
+class VisionPrefill:
+    """Builds vision rows' prompts for a :class:`~mlxd.models.vlm.VisionLanguageModel`."""
+
+    def __init__(self, model: Any, feature_cache_bytes: int) -> None:
+        self.model = model
+        self.features = FeatureCache(feature_cache_bytes)
+
+    def prepare(self, request: EngineRequest) -> Any:
+        """The request's :class:`~mlxd.models.vlm.VisionPrompt` (evaluated: the vision tower runs here)."""
+        media = request.media
+        assert media is not None
+        inputs = {k: mx.array(v) for k, v in media.inputs.items()}
+        prompt = mx.array(request.prompt, dtype=mx.int32)[None]
+        per_image = self.model.split_inputs(media.inputs, len(media.digests))
+        if per_image is None:
+            vision = self.model.embed(prompt, inputs, None)
+        else:
+            token = self.model.image_token_id
+            features = [self._image(digest, {k: mx.array(v) for k, v in image.items()},
+                                    request.prompt[start:end].count(token))
+                        for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True)]
+            vision = self.model.embed(prompt, inputs, features)
+        mx.eval(vision.embeds, vision.extras)
+        return vision
+
+    def status(self) -> dict[str, Any]:
+        """Vision-tower runs (one per image encoded) and the feature cache's counters."""
+        return {"num_vision_calls": self.model.num_vision_calls, "feature_cache": self.features.stats()}
+
+    def _image(self, digest: str, image: dict[str, mx.array], num_tokens: int) -> Any:
+        features = self.features.get(digest)
+        if features is None:
+            features = self.model.encode(image, num_tokens)
+            mx.eval(features)
+            self.features.put(digest, features)
+        return features
