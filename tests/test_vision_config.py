@@ -1,0 +1,38 @@
+"""The product's own vision config, `configs/qwen3vl.toml`, serves an image request (its source swapped for the tiny
+Qwen3-VL fixture; everything else as shipped)."""
+
+from __future__ import annotations
+
+import re
+
+from mlxd.cli import main
+from tests.helpers import ROOT, app_client
+from tests.vision_helpers import user_with_images
+
+
+def shipped_config_with_source(tmp_path, source) -> object:
+    text = (ROOT / "configs" / "qwen3vl.toml").read_text()
+    text, count = re.subn(r'^source = ".*"$', f'source = "{source}"', text, flags=re.MULTILINE)
+    assert count == 1
+    path = tmp_path / "qwen3vl.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_qwen3vl_config_serves_an_image(tiny_vlm, tmp_path, capsys):
+    config = shipped_config_with_source(tmp_path, tiny_vlm("qwen3_vl"))
+    assert main(["check-config", str(config)]) == 0
+    capsys.readouterr()
+    with app_client(config) as (client, daemon):
+        assert daemon.model_info.kind == "vision"
+        body = {"model": "qwen3-vl-4b", "max_tokens": 6,
+                "messages": [{"role": "system", "content": "Describe images."}, user_with_images("What is it?", 5)]}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        body["messages"][1] = {"role": "user", "content": "What is it?"}
+        without = client.post("/v1/chat/completions", json=body).json()
+        # The image's placeholder tokens count as prompt tokens.
+        assert answer["usage"]["completion_tokens"] == 6
+        assert answer["usage"]["prompt_tokens"] >= without["usage"]["prompt_tokens"] + 8
+        assert client.get("/v1/status").json()["vision"]["num_vision_calls"] == 1

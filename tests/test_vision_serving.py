@@ -1,0 +1,105 @@
+"""Vision-language models served end to end: each family answers text and image requests (streamed too), the
+prefix cache keys images by their bytes, the feature cache spares the vision tower, and the conversation renders
+whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import app_client, sse_events, streamed_text, write_config
+from tests.vision_helpers import chat_body, user_with_images
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
+SYSTEM = {"role": "system", "content": "You are a careful assistant who describes pictures."}
+
+
+def chat(client, messages, **extra):
+    response = client.post("/v1/chat/completions", json=chat_body(messages, **extra))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def vision_status(client) -> dict:
+    return client.get("/v1/status").json()["vision"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_serves_text_and_images_and_streams(family, tiny_vlm, tmp_path):
+    with app_client(write_config(tmp_path, tiny_vlm(family))) as (client, _):
+        text = chat(client, [{"role": "user", "content": "Hello there"}])
+        assert text["usage"]["completion_tokens"] == 8
+        assert vision_status(client)["num_vision_calls"] == 0  # text requests never touch the vision tower
+
+        plain = chat(client, [{"role": "user", "content": "Describe it."}])
+        seen = chat(client, [user_with_images("Describe it.", 1)])
+        # Image tokens count as prompt tokens; the image changes what the model says.
+        assert seen["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+        assert vision_status(client)["num_vision_calls"] == 1
+
+        response = client.post("/v1/chat/completions",
+                               json=chat_body([user_with_images("Describe it.", 1)], stream=True))
+        assert response.status_code == 200
+        frames = sse_events(response.text)
+        assert streamed_text(frames) == seen["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_images_are_cached_by_their_bytes(family, tiny_vlm, tmp_path):
+    with app_client(write_config(tmp_path, tiny_vlm(family))) as (client, daemon):
+        first = chat(client, [SYSTEM, user_with_images("What is this?", 1)])
+        calls = vision_status(client)["num_vision_calls"]
+        assert calls == 1
+
+        # The same image re-sent: a prefix-cache hit, the same answer, no vision-tower run.
+        again = chat(client, [SYSTEM, user_with_images("What is this?", 1)])
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+        assert vision_status(client)["num_vision_calls"] == calls
+
+        # After another system prompt the prefix cache misses, but the feature cache still serves the image.
+        other = chat(client, [{"role": "system", "content": "Be brief."}, user_with_images("What is this?", 1)])
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 8
+        assert vision_status(client)["num_vision_calls"] == calls
+
+        # Another image behind the same placeholder tokens: the cached state stops where the image starts, and the
+        # answer is the one a cold cache gives.
+        swapped = chat(client, [SYSTEM, user_with_images("What is this?", 2)])
+        client.delete("/v1/cache").raise_for_status()
+        cold = chat(client, [SYSTEM, user_with_images("What is this?", 2)])
+        assert swapped["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        span_start = _first_image_position(daemon, [SYSTEM, user_with_images("What is this?", 2)])
+        assert swapped["usage"]["prompt_tokens_details"]["cached_tokens"] <= span_start
+
+
+def _first_image_position(daemon, messages) -> int:
+    """Where the first image's placeholders start in the rendered prompt (from the daemon's own pipeline)."""
+    from mlxd.pipeline.job import Job
+
+    job = daemon.pipeline.prepare(Job(request_id="probe", model="tiny", messages=messages))
+    return job.media.spans[0][0]
+
+
+def test_a_conversation_with_two_images_renders_whole_and_in_order(tiny_vlm, tmp_path):
+    from mlxd.pipeline.job import Job
+
+    turns = [
+        SYSTEM,
+        user_with_images("First picture: what is it?", 1),
+        {"role": "assistant", "content": "A red square."},
+        user_with_images("And the second one?", 2),
+        {"role": "assistant", "content": "A blue circle."},
+        {"role": "user", "content": "Which did you like more?"},
+    ]
+    with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"))) as (client, daemon):
+        job = daemon.pipeline.prepare(Job(request_id="r", model="tiny", messages=turns))
+        text = job.prompt_text
+        pieces = [SYSTEM["content"], "<|image_pad|>", "First picture", "A red square.", "<|image_pad|>",
+                  "And the second one?", "A blue circle.", "Which did you like more?"]
+        positions = [text.index(p, text.index(pieces[i - 1]) + 1 if i else 0) for i, p in enumerate(pieces)]
+        assert positions == sorted(positions)
+        assert job.route == "vision" and len(job.media.spans) == 2
+        first, second = job.media.spans
+        assert first[1] <= second[0] and job.media.digests[0] != job.media.digests[1]
+        # Both images' placeholder tokens are in the prompt, each span a run of the image token.
+        image_token = daemon.model_info.image_token_id
+        assert all(job.prompt_ids[i] == image_token for start, end in job.media.spans for i in range(start, end))
