@@ -103,3 +103,34 @@ def test_a_conversation_with_two_images_renders_whole_and_in_order(tiny_vlm, tmp
         # Both images' placeholder tokens are in the prompt, each span a run of the image token.
         image_token = daemon.model_info.image_token_id
         assert all(job.prompt_ids[i] == image_token for start, end in job.media.spans for i in range(start, end))
+
+
+def test_bad_images_are_400s_that_name_the_part(tiny_vlm, tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_vlm("qwen2_5_vl"), extra="[vision]\nmax_images = 2\nmax_image_bytes = 65536\n")
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    huge = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 200_000}}
+    remote = {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}
+    cases = {
+        "undecodable": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, broken]}],
+        "video": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, video]}],
+        "oversized": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, huge]}],
+        "too many": [SYSTEM, user_with_images("a", 1, 2), {"role": "assistant", "content": "b"},
+                     {"role": "user", "content": [{"type": "text", "text": "c"}, *user_with_images("", 3)["content"]]}],
+        "remote off": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, remote]}],
+    }
+    expected = {"undecodable": "messages[1].content[1]", "video": "messages[1].content[1]",
+                "oversized": "messages[1].content[1]", "too many": "messages[3].content[1]",
+                "remote off": "messages[1].content[1]"}
+    with app_client(config) as (client, _):
+        for name, messages in cases.items():
+            response = client.post("/v1/chat/completions", json=chat_body(messages))
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"]["param"] == expected[name], (name, response.json())
+        assert chat(client, [user_with_images("still serving", 1)])["usage"]["completion_tokens"] == 8
+    text_config = tmp_path / "text"
+    text_config.mkdir()
+    with app_client(write_config(text_config, tiny_model_dir)) as (client, _):
+        messages = [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, *user_with_images("", 1)["content"]]}]
+        response = client.post("/v1/chat/completions", json=chat_body(messages))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages[1].content[1]"

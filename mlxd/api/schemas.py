@@ -56,7 +56,8 @@ class ImageURL(Lenient, kw_only=True):
 
 
 class ContentPart(Lenient, kw_only=True):
-    type: Literal["text", "image_url", "input_text", "image", "input_image"]
+    # Video parts are accepted here so that `normalize` can refuse them naming the part.
+    type: Literal["text", "image_url", "input_text", "image", "input_image", "video_url", "input_video", "video"]
     text: str | None = None
     image_url: ImageURL | str | None = None
 

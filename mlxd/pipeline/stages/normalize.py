@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from mlxd.config.schema import VisionConfig
 from mlxd.errors import RequestError
-from mlxd.media.parts import IMAGE_TYPES, collect_images, find_image_parts
+from mlxd.media.parts import collect_images, find_image_parts, is_image_part
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
@@ -108,10 +108,6 @@ class Normalize(Stage):
             for m in rest
         ]
         return head + marked
-
-
-def is_image_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
 
 
 def _text_of(part: dict[str, Any]) -> str | None:
