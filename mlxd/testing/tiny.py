@@ -349,18 +349,21 @@ def _params_hash(arch: str, kw: dict[str, Any]) -> str:
 
 
 def tiny_model_cached(root: Path, arch: str = "llama", **kw: Any) -> Path:
-    """``build_tiny_model`` into ``root/<arch>-<hash of the arguments>`` once; later calls reuse the folder.
+    """``build_tiny_model`` into ``root/<arch>-<hash of the arguments>`` once; later calls reuse the folder."""
+    return build_once(Path(root) / f"{arch}-{_params_hash(arch, kw)}", lambda out: build_tiny_model(out, arch, **kw))
+
+
+def build_once(path: Path, build: Any) -> Path:
+    """``build(folder)`` into ``path`` unless it holds a model already; returns ``path``.
 
     The folder appears atomically (built aside, then renamed), so concurrent test workers never see half a model.
     """
-    root = Path(root)
-    path = root / f"{arch}-{_params_hash(arch, kw)}"
     if (path / "config.json").exists():
         return path
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        build_tiny_model(staging, arch, **kw)
+        build(staging)
         os.rename(staging, path)
     except OSError:
         if not (path / "config.json").exists():  # a concurrent builder did not win the race: a real failure

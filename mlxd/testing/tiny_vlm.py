@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from mlxd.testing.tiny import (
     PAD_TOKEN,
     _rescale,
     _vocab,
+    build_once,
     build_tokenizer,
 )
 
@@ -494,23 +492,7 @@ def _params_hash(family: str, kw: dict[str, Any]) -> str:
 
 
 def tiny_vlm_cached(root: Path, family: str, **kw: Any) -> Path:
-    """``build_tiny_vlm`` into ``root/<family>-<hash of the arguments>`` once; later calls reuse the folder.
-
-    The folder appears atomically (built aside, then renamed), so concurrent test workers never see half a model.
-    """
+    """``build_tiny_vlm`` into ``root/<family>-<hash of the arguments>`` once; later calls reuse the folder."""
     _spec(family)
-    root = Path(root)
-    path = root / f"{family}-{_params_hash(family, kw)}"
-    if (path / "config.json").exists():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
-    try:
-        build_tiny_vlm(staging, family, **kw)
-        os.rename(staging, path)
-    except OSError:
-        if not (path / "config.json").exists():  # a concurrent builder did not win the race: a real failure
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
+    path = Path(root) / f"{family}-{_params_hash(family, kw)}"
+    return build_once(path, lambda out: build_tiny_vlm(out, family, **kw))
