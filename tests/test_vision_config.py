@@ -36,3 +36,26 @@ def test_the_shipped_qwen3vl_config_serves_an_image(tiny_vlm, tmp_path, capsys):
         assert answer["usage"]["completion_tokens"] == 6
         assert answer["usage"]["prompt_tokens"] >= without["usage"]["prompt_tokens"] + 8
         assert client.get("/v1/status").json()["vision"]["num_vision_calls"] == 1
+
+
+def test_the_openai_sdk_sends_images_as_the_readme_shows(tiny_vlm, tmp_path):
+    """The README's OpenAI SDK example against a real server process: an image turn, non-streamed and streamed."""
+    from openai import OpenAI
+
+    from tests.helpers import free_port, serve_subprocess, write_config
+    from tests.vision_helpers import image_part
+
+    port = free_port()
+    with serve_subprocess(write_config(tmp_path, tiny_vlm("gemma3"), port=port), port) as (base, _):
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        messages = [{"role": "system", "content": "You read charts."},
+                    {"role": "user", "content": [image_part(7), {"type": "text", "text": "What does this show?"}]}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+        text_only = client.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                                   messages=[messages[0], {"role": "user", "content": "Hi"}])
+        assert reply.usage.completion_tokens == 6
+        assert reply.usage.prompt_tokens >= text_only.usage.prompt_tokens + 16  # the image's placeholder tokens
+        stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert streamed == reply.choices[0].message.content

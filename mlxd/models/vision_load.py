@@ -29,11 +29,12 @@ def load_vision(folder: Path) -> tuple[Any, Any, Any, dict]:
     except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
         raise ModelLoadError(f"mlx-vlm could not load {folder}: {e}") from e
     tokenizer = load_tokenizer(folder, eos_token_ids=sorted(eos_token_ids(folder, config)))
-    if not getattr(tokenizer, "chat_template", None):
-        template = getattr(processor, "chat_template", None)
-        if not template:
-            raise ModelLoadError(f"{folder} has no chat template (neither its tokenizer nor its processor)")
-        tokenizer.chat_template = template
+    # The processor's template is the one that renders image parts (chat_template.json); some mlx-vlm processors
+    # never load it, and then the tokenizer's is used.
+    template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ModelLoadError(f"{folder} has no chat template (neither its processor nor its tokenizer)")
+    tokenizer.chat_template = template
     return VisionLanguageModel(model), tokenizer, processor, config
 
 
