@@ -30,6 +30,7 @@ from mlxd.testing.tiny import (
     build_once,
     build_tokenizer,
 )
+from mlxd.testing.vlm_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, IDEFICS_TEMPLATE, TEMPLATE_HEAD
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3")
 
@@ -59,85 +60,6 @@ _VISION_OUT_SCALE = 4.0
 _GEMMA_BRANCH_GAIN = 32.0
 _GEMMA_BIAS_GAIN = 40.0
 
-# The templates share these macros and a header that gathers the system prompt (a first system message, then the
-# tools); each family then writes turns its own way. Content is a string or a list of parts, rendered in order.
-_TEMPLATE_HEAD = """\
-{%- macro render_content(content) -%}
-    {%- if content is string -%}{{- content -}}
-    {%- elif content is iterable -%}
-        {%- for part in content -%}
-            {%- if part.type == 'text' -%}{{- part.text -}}
-            {%- elif part.type in ('image', 'image_url') -%}{{- '@IMAGE@' -}}
-            {%- elif part.type in ('video', 'video_url') -%}{{- '@VIDEO@' -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- macro render_message(message) -%}
-    {%- if message.role == 'tool' -%}
-        {{- '<tool_response>\\n' + render_content(message.content) + '\\n</tool_response>' -}}
-    {%- else -%}
-        {{- render_content(message.content) -}}
-        {%- for tool_call in message.tool_calls or [] -%}
-            {%- if tool_call.function is defined -%}{%- set tool_call = tool_call.function -%}{%- endif -%}
-            {{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' -}}
-            {%- if tool_call.arguments is string -%}{{- tool_call.arguments -}}
-            {%- else -%}{{- tool_call.arguments | tojson -}}{%- endif -%}
-            {{- '}\\n</tool_call>' -}}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- set ns = namespace(system='', prefix='') -%}
-{%- set loop_messages = messages -%}
-{%- if messages and messages[0].role == 'system' -%}
-    {%- set ns.system = render_content(messages[0].content) -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- endif -%}
-{%- if tools -%}
-    {%- if ns.system -%}{%- set ns.system = ns.system + '\\n\\n' -%}{%- endif -%}
-    {%- set ns.system = ns.system + '# Tools\\n\\nYou may call one or more functions. Their signatures:\\n<tools>' -%}
-    {%- for tool in tools -%}{%- set ns.system = ns.system + '\\n' + tool | tojson -%}{%- endfor -%}
-    {%- set ns.system = ns.system + '\\n</tools>\\n\\nReturn each call as {"name": <function-name>, "arguments": '
-        + '<args-json-object>} within <tool_call></tool_call> XML tags.' -%}
-{%- endif -%}
-"""
-
-# Qwen2.5-VL / Qwen3-VL: ChatML; a tool result is a user turn, as in Qwen's own templates.
-_CHATML_TEMPLATE = """\
-{%- if ns.system -%}{{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- set role = 'user' if message.role == 'tool' else message.role -%}
-    {{- '<|im_start|>' + role + '\\n' + render_message(message) + '<|im_end|>\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
-"""
-
-# Gemma 3: the system prompt opens the first turn; the assistant is "model".
-_GEMMA_TEMPLATE = """\
-{%- set ns.prefix = ns.system + '\\n\\n' if ns.system else '' -%}
-{%- for message in loop_messages -%}
-    {%- set role = {'assistant': 'model', 'tool': 'user'}.get(message.role, message.role) -%}
-    {{- '<start_of_turn>' + role + '\\n' + ns.prefix + render_message(message) + '<end_of_turn>\\n' -}}
-    {%- set ns.prefix = '' -%}
-{%- endfor -%}
-{%- if ns.prefix -%}{{- '<start_of_turn>user\\n' + ns.prefix + '<end_of_turn>\\n' -}}{%- endif -%}
-{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
-"""
-
-# Idefics3 / SmolVLM: "User:<image>text<end_of_utterance>\\nAssistant:"; no space after the colon before an image.
-_IDEFICS_TEMPLATE = """\
-{{- '<|im_start|>' -}}
-{%- if ns.system -%}{{- 'System: ' + ns.system + '<end_of_utterance>\\n' -}}{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- set role = 'user' if message.role == 'tool' else message.role -%}
-    {%- set first = message.content[0] if message.content is not string and message.content else none -%}
-    {%- set colon = ':' if first and first.type in ('image', 'image_url') else ': ' -%}
-    {{- role | capitalize + colon + render_message(message) + '<end_of_utterance>\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}
-"""
-
-
 @dataclass(frozen=True)
 class _Family:
     special_tokens: tuple[str, ...]  # added to tiny's tokenizer, in this order, after its vocabulary
@@ -152,7 +74,7 @@ _QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image
 _QWEN = _Family(
     special_tokens=_QWEN_TOKENS,
     eos_tokens=(EOS_TOKEN, PAD_TOKEN),
-    template=_CHATML_TEMPLATE,
+    template=CHATML_TEMPLATE,
     image="<|vision_start|><|image_pad|><|vision_end|>",
     video="<|vision_start|><|video_pad|><|vision_end|>",
 )
@@ -162,7 +84,7 @@ _FAMILY_SPECS = {
     "gemma3": _Family(
         special_tokens=("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"),
         eos_tokens=("<end_of_turn>", PAD_TOKEN),
-        template=_GEMMA_TEMPLATE,
+        template=GEMMA_TEMPLATE,
         image="<start_of_image>",
         named_tokens=(
             ("boi_token", "<start_of_image>"),
@@ -179,7 +101,7 @@ _FAMILY_SPECS = {
             *(f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)),
         ),
         eos_tokens=("<end_of_utterance>", PAD_TOKEN),
-        template=_IDEFICS_TEMPLATE,
+        template=IDEFICS_TEMPLATE,
         image="<image>",
     ),
 }
@@ -188,7 +110,7 @@ _FAMILY_SPECS = {
 def chat_template(family: str) -> str:
     """The Jinja chat template written into ``family``'s tokenizer_config.json."""
     spec = _spec(family)
-    return (_TEMPLATE_HEAD + spec.template).replace("@IMAGE@", spec.image).replace("@VIDEO@", spec.video)
+    return (TEMPLATE_HEAD + spec.template).replace("@IMAGE@", spec.image).replace("@VIDEO@", spec.video)
 
 
 def _spec(family: str) -> _Family:
