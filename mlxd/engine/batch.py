@@ -56,6 +56,11 @@ class Row:
         """Decode positions are cache offset + this (multimodal RoPE after an image), else 0."""
         return self.vision.rope_delta if self.vision is not None else 0
 
+    def release_prompt(self) -> None:
+        """Drop what only prompt chunks need (a vision row's merged embeddings can be hundreds of MB)."""
+        if self.vision is not None:
+            self.vision.embeds, self.vision.extras = None, {}
+
     def prompt_inputs(self, start: int, end: int) -> dict[str, Any]:
         """What a prompt chunk ``[start, end)`` is run with besides its token ids: a vision row's embeddings
         for the chunk and its per-prompt inputs (sliced at the cache offset by the model); nothing for text."""

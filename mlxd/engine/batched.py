@@ -223,6 +223,7 @@ class BatchedEngine(EngineFront):
         self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
         if first is not None:
             del self._prefilling[request.request_id]
+            row.release_prompt()
             self.batch.add(row, first)
 
     def _prefill_together(self, group: list[Submitted]) -> None:

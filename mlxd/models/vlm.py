@@ -38,7 +38,7 @@ class VisionPrompt:
     """A prompt's merged input embeddings (1, L, D) and the extra inputs its chunks are run with (full-prompt
     position ids, deepstack features...), which the language model slices at the cache offset."""
 
-    embeds: mx.array
+    embeds: mx.array | None  # None once the prompt is in (Row.release_prompt)
     extras: dict[str, Any] = field(default_factory=dict)
     rope_delta: int = 0  # decode positions are cache offset + this (multimodal RoPE), else 0
 
