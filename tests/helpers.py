@@ -84,11 +84,17 @@ def serve_subprocess(config_path: Path, port: int, env: dict[str, str] | None = 
         wait_healthy(base, proc, timeout, log_path)
         yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then kill it if it is still there after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:

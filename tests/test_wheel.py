@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import free_port, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,9 +86,4 @@ def test_installed_wheel_serves_a_config_outside_the_repository(venv, tiny_model
         assert body["choices"][0]["message"]["role"] == "assistant"
         assert body["usage"]["completion_tokens"] >= 1
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

@@ -88,7 +88,7 @@ class Trace:
             endpoint=self.endpoint,
             model=self.job.model,
             route=self.job.route or None,
-            images=self.job.num_images or None,
+            images=len(self.job.images) or None,
             prompt_tokens=len(self.job.prompt_ids),
             completion_tokens=done.num_completion_tokens if done else None,
             cached_tokens=done.num_cached_tokens if done else None,

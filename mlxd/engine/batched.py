@@ -60,7 +60,6 @@ _FAILED = {
 }
 
 
-
 class BatchedEngine(EngineFront):
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
 

@@ -23,11 +23,12 @@ def prompt_key(request: EngineRequest) -> list[int]:
     """The prefix-cache key of a prompt: its token ids, with the first placeholder token of each image replaced by
     a key derived from the image's digest (a negative number: never a token id). Cached state that covers an
     image's placeholders is then reused only for the same image bytes."""
-    key = list(request.prompt)
     media = request.media
-    if media is not None:
-        for (start, _), digest in zip(media.spans, media.digests, strict=True):
-            key[start] = -1 - int(digest[:15], 16)
+    if media is None:
+        return request.prompt
+    key = list(request.prompt)
+    for (start, _), digest in zip(media.spans, media.digests, strict=True):
+        key[start] = -1 - int(digest[:15], 16)
     return key
 
 
@@ -87,8 +88,7 @@ class VisionPrefill:
             vision = self.model.embed(prompt, inputs, None)
         else:
             token = self.model.image_token_id
-            features = [self._image(digest, {k: mx.array(v) for k, v in image.items()},
-                                    request.prompt[start:end].count(token))
+            features = [self._image(digest, image, request.prompt[start:end].count(token))
                         for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True)]
             vision = self.model.embed(prompt, inputs, features)
         mx.eval(vision.embeds, vision.extras)
@@ -98,10 +98,11 @@ class VisionPrefill:
         """Vision-tower runs (one per image encoded) and the feature cache's counters."""
         return {"num_vision_calls": self.model.num_vision_calls, "feature_cache": self.features.stats()}
 
-    def _image(self, digest: str, image: dict[str, mx.array], num_tokens: int) -> Any:
+    def _image(self, digest: str, image: dict[str, Any], num_tokens: int) -> Any:
+        """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""
         features = self.features.get(digest)
         if features is None:
-            features = self.model.encode(image, num_tokens)
+            features = self.model.encode({k: mx.array(v) for k, v in image.items()}, num_tokens)
             mx.eval(features)
             self.features.put(digest, features)
         return features

@@ -9,8 +9,8 @@ from mlxd.media.parts import (
     PromptImage,
     collect_images,
     find_image_parts,
-    image_parts,
     is_image_part,
+    load_images,
 )
 from mlxd.media.remote import address_refusal
 
@@ -22,7 +22,7 @@ __all__ = [
     "collect_images",
     "decode_image",
     "find_image_parts",
-    "image_parts",
     "is_image_part",
     "load_image_bytes",
+    "load_images",
 ]

@@ -58,13 +58,6 @@ def is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
 
 
-def image_parts(messages: list[dict[str, Any]]) -> Iterator[str]:
-    """The ``messages[i].content[j]`` name of every image part, in prompt order; nothing is checked or refused."""
-    for i, j, part in _content_parts(messages):
-        if is_image_part(part):
-            yield part_param(i, j)
-
-
 def find_image_parts(messages: list[dict[str, Any]], *, max_images: int) -> list[ImagePart]:
     """The image parts in prompt order, with their URLs (a data URI for base64 sources). Refuses video parts and
     the first image part beyond ``max_images``, naming the part; nothing is fetched or decoded."""
@@ -94,8 +87,21 @@ def collect_images(
 ) -> list[PromptImage]:
     """Load and decode every image of ``messages`` in prompt order (see ``find_image_parts``, ``load_image_bytes``
     and ``decode_image`` for what is refused). Blocking: call it from a worker thread."""
+    parts = find_image_parts(messages, max_images=config.max_images)
+    return load_images(parts, config=config, base_dir=base_dir, resolver=resolver, allow_hosts=allow_hosts)
+
+
+def load_images(
+    parts: list[ImagePart],
+    *,
+    config: VisionConfig,
+    base_dir: Path | None = None,
+    resolver: Resolver | None = None,
+    allow_hosts: Collection[str] = frozenset(),
+) -> list[PromptImage]:
+    """Load and decode image parts found by ``find_image_parts``, in order. Blocking."""
     images = []
-    for part in find_image_parts(messages, max_images=config.max_images):
+    for part in parts:
         data = load_image_bytes(
             part.url,
             config=config,

@@ -25,7 +25,6 @@ class Job:
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = field(default_factory=list)
     # Filled by stages.
-    num_images: int = 0  # image parts in the messages
     images: list[Any] = field(default_factory=list)  # decoded (mlxd.media), in prompt order: vision models only
     media: Media | None = None  # the images processed for the model, with their placeholder spans
     prompt_text: str = ""

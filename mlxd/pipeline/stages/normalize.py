@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from mlxd.config.schema import VisionConfig
 from mlxd.errors import RequestError
-from mlxd.media.parts import collect_images, find_image_parts, is_image_part
+from mlxd.media.parts import find_image_parts, is_image_part, load_images
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
@@ -81,17 +81,14 @@ class Normalize(Stage):
         return out
 
     def _take_images(self, job: Job) -> None:
-        """Count the image parts; for a vision model fetch and decode them, else refuse the first one."""
+        """For a vision model fetch and decode the image parts; for a text model refuse the first one."""
         parts = find_image_parts(job.messages, max_images=self.vision.max_images if self.accepts_images else 1 << 30)
-        job.num_images = len(parts)
-        if not parts:
-            return
-        if not self.accepts_images:
+        if parts and not self.accepts_images:
             raise RequestError(f"model {job.model!r} is a text model and does not accept images "
                                f"({len(parts)} image part(s) in the request)", param=parts[0].param)
-        found = collect_images(job.messages, config=self.vision, base_dir=self.base_dir,
-                               resolver=self.resolver, allow_hosts=self.allow_hosts)
-        job.images = list(found)  # each with .image (PIL, RGB) and .digest
+        # Each with .image (PIL, RGB) and .digest.
+        job.images = load_images(parts, config=self.vision, base_dir=self.base_dir, resolver=self.resolver,
+                                 allow_hosts=self.allow_hosts)
 
     def _place_system(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         first_other = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
