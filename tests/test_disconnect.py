@@ -118,8 +118,12 @@ def test_fifty_cancellations_leave_nothing_running_and_memory_at_baseline(server
     base, port = server
     httpx.delete(base + "/v1/cache").raise_for_status()  # what earlier tests left there
     baseline = wait_for(base, idle)
-    for start in range(0, 50, 10):  # ten at a time: some wait, some prefill, most decode when closed
-        socks = [open_request(port, {**LONG, "stream": True, "prompt": "word " * (5 + 40 * i)}) for i in range(10)]
+    # At most max_running (8) streams at a time, read in order: a stream being read never waits in the queue behind
+    # later streams that nobody reads yet (those would run their 20000 tokens first). Streams still queued behind
+    # the previous group's cancellations, prefilling or decoding are closed.
+    for start in range(0, 50, 8):
+        socks = [open_request(port, {**LONG, "stream": True, "prompt": "word " * (5 + 40 * i)})
+                 for i in range(min(8, 50 - start))]
         for i, sock in enumerate(socks):
             if (start + i) % 3:
                 read_until_text(sock)
