@@ -58,16 +58,28 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # For /v1/status only: the path the ``route`` stage chose, and the rendered prompt (chat template applied).
     route: str = "text"
     prompt_text: str = ""
+    # Per-request constraints (a grammar, say): a factory the engine calls once per row for a fresh list of mlx-lm
+    # style logits processors, ``processor(tokens, logits) -> logits``, applied after the penalties and bias.
+    logits_processors: Callable[[], list[Any]] | None = None
+    # Log-probabilities of the generated tokens: None for none, else how many top alternatives (0 to 20) too.
+    num_logprobs: int | None = None
+    # Snapshot the prompt's state into the prefix cache once it is processed: requests with the same prompt
+    # submitted next (the other choices of an ``n`` > 1 request) start from it.
+    keep_prompt: bool = False
 
 
 class Token(msgspec.Struct, frozen=True):
-    """One generated token id (never a stop token)."""
+    """One generated token id (never a stop token); with its log-probability under the raw logits and the top
+    alternatives ``(token id, logprob)`` when the request asked for them."""
 
     token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
-    """The last event of every stream. ``reason``: ``stop`` (a stop token), ``length``, ``cancelled``."""
+    """The last event of every stream. ``reason``: ``stop`` (a stop token, or the pipeline ended the request:
+    a stop sequence, a parser), ``length``, ``cancelled``."""
 
     reason: str
     num_prompt_tokens: int
@@ -128,10 +140,12 @@ class RequestHandle:
             except RuntimeError:  # a closed event loop: nobody is listening to these requests any more
                 continue
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the request early: ``cancelled`` (the client went away) or ``stop`` (the pipeline has what it needs:
+        a stop sequence matched, a parser ended the response)."""
         if not self.done:
             self.done = True
-            self._engine.cancel(self.request_id)
+            self._engine.cancel(self.request_id, reason)
 
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[EngineEvent | None]:
         """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""
@@ -189,8 +203,9 @@ class Engine(Protocol):
     def retry_after_s(self) -> float:
         """Seconds a client turned away now should wait, estimated from the queue (at least 1)."""
 
-    def cancel(self, request_id: str) -> None:
-        """Abort a request; safe to call from any thread, any number of times."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request early with ``reason`` (``cancelled`` or ``stop``); safe to call from any thread, any
+        number of times. Only ``cancelled`` counts as a cancellation in the status totals."""
 
     def status(self) -> dict:
         """A JSON-able snapshot: running and waiting requests, totals, memory."""

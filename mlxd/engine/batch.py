@@ -32,7 +32,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
-from mlxd.engine.sampling import make_request_processors, make_request_sampler
+from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
 
 # mx.random.seed takes an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
@@ -50,6 +50,10 @@ class Row:
     cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
     # A vision row's prompt: merged input embeddings and per-prompt inputs (mlxd.models.vlm.VisionPrompt).
     vision: Any = None
+    # Log-probabilities: None when not asked for, else how many top alternatives to report (0: the chosen only).
+    num_logprobs: int | None = None
+    # Those of the token sampled last (lazy arrays, see :func:`capture_logprobs`), until the step that feeds it in.
+    pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
 
     @property
     def rope_delta(self) -> int:
@@ -71,16 +75,19 @@ class Row:
     @classmethod
     def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
                     cache: list[Any] | None = None, *,
-                    make_sampler: Callable[[SamplingParams], Any] = make_request_sampler) -> Row:
-        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache."""
-        key = (params.temperature, params.top_p, params.min_p, params.top_k)
+                    make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
+                    extra_processors: list | None = None, num_logprobs: int | None = None) -> Row:
+        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache.
+        ``extra_processors`` (a request's constraints) run after the penalties and bias."""
         return cls(
             request_id=request_id,
             sampler=make_sampler(params),
-            sampler_key=key,
-            processors=make_request_processors(params),
+            sampler_key=sampler_group(params, request_id),
+            processors=make_request_processors(params) + list(extra_processors or ()),
             cache=cache if cache is not None else make_request_cache(model, max_kv_size),
+            num_logprobs=num_logprobs,
         )
+
 
     def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """Apply this row's logits processors; ``tokens`` are the new input tokens (added to the history)."""
@@ -159,11 +166,39 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start
             row.history = inputs if row.history is None else mx.concatenate([row.history, inputs])
         mx.eval([c.state for c in row.cache])
         return None
-    logits = row.process(inputs, logits[:, -1, :])
+    raw = logits[:, -1, :]
+    logits = row.process(inputs, raw)
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
     first = row.sampler(logprobs)
+    capture_logprobs([row], raw, first)
     mx.async_eval(first)
     return first
+
+
+def read_logprobs(arrays: tuple[mx.array, mx.array, mx.array]) -> tuple[float, list[tuple[int, float]]]:
+    """What :func:`capture_logprobs` kept for one row, as numbers: the chosen token's log-probability and the top
+    alternatives, most likely first."""
+    chosen, top_ids, top_values = arrays
+    return chosen.item(), sorted(zip(top_ids.tolist(), top_values.tolist(), strict=True), key=lambda t: -t[1])
+
+
+def capture_logprobs(rows: list[Row], raw: mx.array, tokens: mx.array) -> None:
+    """Keep, lazily, the log-probabilities of the sampled ``tokens`` under the raw logits (before penalties, bias,
+    constraints and temperature: what vLLM reports), with each asking row's top alternatives. Rows that did not
+    ask cost nothing; when none asked, nothing is computed."""
+    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
+    if not wanted:
+        return
+    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    k = max(rows[i].num_logprobs for i in wanted)
+    if k:
+        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+    for i in wanted:
+        row, n = rows[i], rows[i].num_logprobs
+        ids, values = (top_ids[i, :n], top_values[i, :n]) if n else (mx.array([], mx.int32), mx.array([]))
+        row.pending_logprobs = (chosen[i], ids, values)
 
 
 # Cache types whose batched form can be left-padded before a first forward pass.
@@ -190,11 +225,12 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tu
             layer.left_padding = mx.array(padding)
         else:
             layer.prepare(left_padding=padding)
-    logits = model(inputs, cache=cache)[:, -1, :]
+    logits = raw = model(inputs, cache=cache)[:, -1, :]
     if any(row.processors for row in rows):
         logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
                                  for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
     first = sample(rows, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    capture_logprobs(rows, raw, first)
     mx.async_eval(first)
     for row in rows:
         row.cache = []
@@ -221,6 +257,9 @@ class DecodeBatch:
         # Rows whose next token could not be computed in the last step (request id → error); their input is a
         # placeholder. The engine ends them and empties this.
         self.errors: dict[str, Exception] = {}
+        # The log-probabilities of the tokens the last step returned, for the rows that asked (request id →
+        # (logprob, top alternatives)).
+        self.logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
         self._rope_deltas: mx.array | None = None
@@ -295,17 +334,22 @@ class DecodeBatch:
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
         inputs = self.inputs
-        logits = self.model(inputs[:, None], cache=self.cache, **self._position_inputs())[:, -1, :]
-        logits = self._process(inputs, logits)
+        # The log-probabilities of the tokens fed in now, captured when they were sampled.
+        previous = {row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
+        raw = self.model(inputs[:, None], cache=self.cache, **self._position_inputs())[:, -1, :]
+        logits = self._process(inputs, raw)
         if len(self.rows) == 1:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         try:
             self.inputs = sample(self.rows, logprobs)
-            mx.async_eval(self.inputs)
+            capture_logprobs(self.rows, raw, self.inputs)
+            mx.async_eval(self.inputs, *(row.pending_logprobs for row in self.rows if row.pending_logprobs))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self._sample_each(logprobs)
+            capture_logprobs(self.rows, raw, self.inputs)
+        self.logprobs = {request_id: read_logprobs(arrays) for request_id, arrays in previous.items()}
         return inputs.tolist()
 
     def _position_inputs(self) -> dict[str, mx.array]:

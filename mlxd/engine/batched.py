@@ -136,7 +136,7 @@ class BatchedEngine(EngineFront):
             if command == "submit":
                 self._accept(arg)
             elif command == "cancel":
-                self._cancel(arg)
+                self._cancel(*arg)
             elif command == "abort_all":
                 self._end_all(arg)
             elif command == "clear_cache":
@@ -223,6 +223,9 @@ class BatchedEngine(EngineFront):
         if first is not None:
             del self._prefilling[request.request_id]
             row.release_prompt()
+            if request.keep_prompt:
+                mx.eval([c.state for c in row.cache])
+                self.reuse.keep(submitted.cache_key, row.cache)
             self.batch.add(row, first)
 
     def _prefill_together(self, group: list[Submitted]) -> None:
@@ -264,10 +267,10 @@ class BatchedEngine(EngineFront):
 
     def _new_row(self, request: EngineRequest, cache: list[Any] | None = None) -> Row:
         params = check_request(request, self.vocab_size)
-        if params.seed is not None:
-            mx.random.seed(params.seed)
+        constraints = request.logits_processors() if request.logits_processors is not None else None
         row = Row.for_request(request.request_id, params, self.model, self.config.max_kv_size, cache,
-                              make_sampler=self._make_sampler)
+                              make_sampler=self._make_sampler, extra_processors=constraints,
+                              num_logprobs=request.num_logprobs)
         if request.media is not None:
             if self.vision is None:
                 raise Refused("this model does not accept images")
@@ -291,7 +294,7 @@ class BatchedEngine(EngineFront):
         """Emit each row's token; finish the rows that hit a stop token or their ``max_tokens``."""
         finished: dict[str, str] = {}
         for request_id, token in zip(self.batch.request_ids, tokens, strict=True):
-            reason = self._emit(self._requests[request_id], token)
+            reason = self._emit(self._requests[request_id], token, self.batch.logprobs.get(request_id))
             if reason is not None:
                 finished[request_id] = reason
         if finished:
@@ -305,7 +308,8 @@ class BatchedEngine(EngineFront):
             for request_id, error in errors.items():
                 self._fail(request_id, "sample", error)
 
-    def _emit(self, submitted: Submitted, token: int) -> str | None:
+    def _emit(self, submitted: Submitted, token: int,
+              logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> str | None:
         state = submitted.state
         submitted.generated.append(token)
         if state.first_token_at is None:
@@ -314,7 +318,7 @@ class BatchedEngine(EngineFront):
             return "stop"
         state.num_generated += 1
         self.totals["num_generated_tokens"] += 1
-        self._post(submitted, Token(token))
+        self._post(submitted, Token(token) if logprobs is None else Token(token, logprobs[0], tuple(logprobs[1])))
         return "length" if state.num_generated >= state.max_tokens else None
 
     def _finish(self, request_id: str, reason: str) -> None:
@@ -346,14 +350,16 @@ class BatchedEngine(EngineFront):
         self.totals["num_failed"] += 1
         self._post(submitted, Failed(str(error) if isinstance(error, Refused) else _FAILED[phase], status=500))
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, reason: str) -> None:
+        """End a request early: ``cancelled`` (its client left) or ``stop`` (its pipeline has what it needs)."""
         if request_id not in self._requests:
             return  # already finished: cancel is idempotent
         if request_id in self.batch.request_ids:
             self._keep_decoded(request_id)
         self.batch.remove({request_id})
-        self.totals["num_cancelled"] += 1
-        self._finish(request_id, "cancelled")
+        if reason == "cancelled":
+            self.totals["num_cancelled"] += 1
+        self._finish(request_id, reason)
 
     def _post(self, submitted: Submitted, event: Any) -> None:
         self._outbox.append((submitted.handle, event))

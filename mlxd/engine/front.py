@@ -129,8 +129,8 @@ class EngineFront:
         self._inbox.put(("submit", submitted))
         return submitted.handle
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self._inbox.put(("cancel", (request_id, reason)))
 
     def cache_stats(self) -> dict[str, Any]:
         """Prefix-cache counters (thread-safe: the cache takes its own lock)."""

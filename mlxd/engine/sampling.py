@@ -1,15 +1,54 @@
-"""Per-request samplers and logits processors, built from mlx-lm's own factories."""
+"""Per-request samplers and logits processors, built from mlx-lm's own factories and filters."""
 
 from __future__ import annotations
 
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxd.engine.base import SamplingParams
 
 
 def make_request_sampler(params: SamplingParams):
-    """The mlx-lm sampler for a request (greedy at temperature 0)."""
-    return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    """The sampler for a request (greedy at temperature 0).
+
+    Unseeded requests use mlx-lm's sampler, which draws from MLX's global random state (rows that sample alike
+    share one call). A seeded request gets a sampler with its own key, derived from its seed and split at every
+    draw: its tokens do not depend on what else is in the batch.
+    """
+    if params.seed is None or params.temperature == 0:
+        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
+    return make_seeded_sampler(params, mx.random.key(params.seed))
+
+
+def make_seeded_sampler(params: SamplingParams, key: mx.array) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampling chain (top-p, min-p, top-k, then a categorical draw at the temperature) with a random key
+    of the row's own, split at each draw."""
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    state = {"key": key}
+    scale = 1.0 / params.temperature
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        for apply in filters:
+            logprobs = apply(logprobs)
+        state["key"], draw = mx.random.split(state["key"])
+        return mx.random.categorical(logprobs * scale, key=draw)
+
+    return sampler
+
+
+def sampler_group(params: SamplingParams, request_id: str) -> tuple:
+    """Rows whose groups are equal sample with one call; a seeded row samples alone (with its own key)."""
+    if params.seed is not None and params.temperature != 0:
+        return ("seeded", request_id)
+    return (params.temperature, params.top_p, params.min_p, params.top_k)
 
 
 def make_request_processors(params: SamplingParams) -> list:
