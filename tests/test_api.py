@@ -135,9 +135,9 @@ def test_model_aliases_and_listing(served):
         ({"max_tokens": 500}, "max_tokens", "exceeds the context"),
         ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages", "context"),
         ({"bogus_field": 1}, "bogus_field", "unknown field"),
-        ({"n": 2}, "n", "not supported"),
-        ({"tool_choice": "required"}, "tool_choice", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"n": 9}, "n", "more choices than this server allows"),
+        ({"tool_choice": "required"}, "tool_choice", "needs at least one tool"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "json_schema.schema"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, None, "Invalid enum value 'wizard'"),
     ],
 )

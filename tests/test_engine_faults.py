@@ -29,7 +29,8 @@ from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, To
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.errors import EngineError, NotReady, Overloaded
-from mlxd.pipeline.job import Job, KeepAlive
+from mlxd.pipeline.events import KeepAlive
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import ModelInfo, PipelineContext
 from mlxd.pipeline.stages.decode import Decode
 

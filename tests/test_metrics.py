@@ -7,7 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlxd.api.metrics import Metrics
 from mlxd.api.respond import Trace
-from mlxd.pipeline.job import Done, Job
+from mlxd.pipeline.events import Done
+from mlxd.pipeline.job import Job
 from tests.helpers import app_client, sse_events, write_config
 
 MESSAGES = [{"role": "user", "content": "Tell me about cats."}]

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from mlxd.errors import ConfigError
-from mlxd.pipeline.job import Job, TextDelta
+from mlxd.pipeline.events import ContentDelta
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.registry import known_stage_names, resolve_stage
 from mlxd.pipeline.stage import NoOptions, Stage
 from tests.helpers import app_client, write_config
@@ -27,7 +28,7 @@ class Shout(Stage):
 
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for event in events:
-            yield TextDelta(event.text.upper()) if isinstance(event, TextDelta) else event
+            yield ContentDelta(event.text.upper()) if isinstance(event, ContentDelta) else event
 
 
 def inline_pipeline(extra_stage: str) -> str:
@@ -94,7 +95,7 @@ class Explode(Stage):
 
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for event in events:
-            if "kaput" in job.messages[-1]["content"] and isinstance(event, TextDelta):
+            if "kaput" in job.messages[-1]["content"] and isinstance(event, ContentDelta):
                 raise RuntimeError("stream bug")
             yield event
 

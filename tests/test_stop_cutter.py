@@ -38,11 +38,11 @@ def test_random_splits_match_reference(seed):
 
 def test_text_that_may_start_a_stop_is_held_back():
     cutter = StopCutter(["</end>"])
-    assert cutter.feed("hello </e") == ("hello ", False)
-    assert cutter.feed("nd> more") == ("", True)
+    assert cutter.feed("hello </e") == ("hello ", None)
+    assert cutter.feed("nd> more") == ("", "</end>")
 
 
 def test_held_back_text_is_released_when_it_diverges():
     cutter = StopCutter(["</end>"])
-    assert cutter.feed("a </e") == ("a ", False)
-    assert cutter.feed("x") == ("</ex", False)
+    assert cutter.feed("a </e") == ("a ", None)
+    assert cutter.feed("x") == ("</ex", None)

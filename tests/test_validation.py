@@ -199,7 +199,8 @@ def test_huge_client_values_are_clipped_in_errors(served, fields):
 
 def test_a_clipped_value_keeps_the_rest_of_the_message(served):
     error = assert_error(chat(served[0], tool_choice="t" * 100_000), 400, "tool_choice")
-    assert error["message"] == f"tool_choice '{'t' * 64}…' is not supported yet; use 'auto' or 'none'"
+    assert error["message"] == ("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                                f"'function': {{'name': ...}}}}, got '{'t' * 64}…'")
 
 
 def test_unexpected_errors_are_generic_and_name_the_request(served, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import msgspec
 
@@ -18,12 +19,11 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _check_common(body: SamplingFields) -> None:
-    # Ranges are checked when the body is decoded (msgspec.Meta in mlxd.api.schemas); these are features.
-    if body.n != 1:
-        raise RequestError(f"n={body.n} is not supported; mlxd returns one choice per request", param="n")
-    if body.logprobs:
-        raise RequestError("logprobs are not supported yet", param="logprobs")
+def _check_n(body: SamplingFields, max_n: int) -> None:
+    # Ranges are checked when the body is decoded (msgspec.Meta in mlxd.api.schemas); this one is the config's.
+    if body.n > max_n:
+        raise RequestError(f"n={body.n} is more choices than this server allows ([engine] max_n = {max_n})",
+                           param="n")
 
 
 def _sampling(body: SamplingFields, defaults: SamplingDefaults) -> SamplingParams:
@@ -52,40 +52,82 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults) -> Job:
-    _check_common(body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise RequestError(
-            f"response_format {body.response_format.type!r} is not supported yet; only 'text'",
-            param="response_format",
-        )
+def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:
+    _check_n(body, max_n)
     if not body.messages:
         raise RequestError("`messages` must not be empty", param="messages")
     tools = msgspec.to_builtins(body.tools) if body.tools else None
-    if body.tool_choice == "none":
+    choice = _tool_choice(body.tool_choice, tools)
+    if choice == "none":
         tools = None
-    elif body.tool_choice not in (None, "auto"):
-        raise RequestError(
-            f"tool_choice {clip(str(body.tool_choice))!r} is not supported yet; use 'auto' or 'none'",
-            param="tool_choice",
-        )
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return Job(
         request_id=new_request_id("chatcmpl"),
         model=model,
         messages=msgspec.to_builtins(body.messages),
         tools=tools,
-        template_kwargs=body.chat_template_kwargs or {},
+        template_kwargs=_template_kwargs(body),
         max_tokens=limit,
         sampling=_sampling(body, defaults),
         stop=_stops(body.stop),
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        response_format=_response_format(body),
+        num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
 
 
-def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaults) -> Job:
-    _check_common(body)
-    if body.echo:
-        raise RequestError("echo is not supported", param="echo")
+def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+    """``auto`` (the default), ``none``, ``required`` or a named function, checked against the request's tools."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required":
+        if not tools:
+            raise RequestError("tool_choice 'required' needs at least one tool in `tools`", param="tool_choice")
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        names = [t["function"]["name"] for t in tools or []]
+        if name not in names:
+            raise RequestError(f"tool_choice names {clip(str(name))!r}, which is not among the request's tools "
+                               f"{[clip(n) for n in names][:16]}", param="tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    raise RequestError(f"tool_choice must be 'auto', 'none', 'required' or "
+                       f"{{'type': 'function', 'function': {{'name': ...}}}}, got {clip(str(choice))!r}",
+                       param="tool_choice")
+
+
+def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    spec = fmt.json_schema or {}
+    if not isinstance(spec.get("schema"), dict):
+        raise RequestError("response_format json_schema needs `json_schema.schema`, a JSON schema object",
+                           param="response_format")
+    return {"type": "json_schema", "schema": spec["schema"], "strict": bool(spec.get("strict", False)),
+            "name": spec.get("name")}
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's template variables; ``reasoning_effort`` sets the thinking switch (``enable_thinking``) and
+    reaches templates that read it (gpt-oss). Explicit ``chat_template_kwargs`` win."""
+    kwargs: dict[str, Any] = {}
+    if body.reasoning_effort is not None:
+        kwargs["enable_thinking"] = body.reasoning_effort not in ("none", "minimal")
+        kwargs["reasoning_effort"] = "low" if body.reasoning_effort == "minimal" else body.reasoning_effort
+    return {**kwargs, **(body.chat_template_kwargs or {})}
+
+
+def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:
+    _check_n(body, max_n)
+    if body.echo and body.logprobs is not None:
+        raise RequestError("echo with logprobs is not supported: mlxd does not score prompt tokens",
+                           param="echo")
     if not body.prompt:
         raise RequestError("`prompt` must not be empty", param="prompt")
     return Job(
@@ -95,4 +137,5 @@ def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaul
         max_tokens=body.max_tokens,
         sampling=_sampling(body, defaults),
         stop=_stops(body.stop),
+        num_logprobs=body.logprobs,
     )

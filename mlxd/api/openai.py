@@ -12,25 +12,19 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from mlxd.api import jobs, respond
+from mlxd.api import openai_render as render
 from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
 from mlxd.api.schemas import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChunkChoice,
     Completion,
-    CompletionChoice,
     CompletionRequest,
-    Delta,
     ModelCard,
     ModelList,
 )
 from mlxd.api.validate import check_against_model
 from mlxd.daemon import Daemon
-from mlxd.pipeline.job import Done
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -56,61 +50,41 @@ class OpenAIController(Controller):
         self, request: Request, data: JSONBody[ChatCompletionRequest], daemon: NamedDependency[Daemon],
         metrics: NamedDependency[Metrics],
     ) -> ChatCompletion | EventStream:
-        """Chat completion, streaming (SSE) or not, in the OpenAI format."""
+        """Chat completion, streaming (SSE) or not, in the OpenAI format: content, reasoning_content, tool calls,
+        logprobs, ``n`` choices."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
-        job = jobs.chat_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "chat", metrics.observe)
-        created = int(time.time())
+        job = jobs.chat_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
+        events, trace = await respond.start(daemon.pipeline, job, "chat", metrics.observe, n=data.n)
+        created, logprobs = int(time.time()), job.num_logprobs is not None
         if not data.stream:
-            text, done = await respond.collect(events, trace, request.receive)
-            message = AssistantMessage(content=text)
-            choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
-            return ChatCompletion(job.request_id, created, model, [choice], respond.usage_of(done))
-
-        def chunk(delta: Delta, finish: str | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(job.request_id, created, model, [ChunkChoice(0, delta, finish)])
-
-        def on_done(done: Done) -> list[ChatCompletionChunk]:
-            chunks = [chunk(Delta(), done.finish_reason)]
-            if data.stream_options and data.stream_options.include_usage:
-                chunks.append(ChatCompletionChunk(job.request_id, created, model, [], respond.usage_of(done)))
-            return chunks
-
-        frames = respond.stream_sse(
-            events, trace, lambda text: chunk(Delta(content=text)), on_done, chunk(Delta(role="assistant", content=""))
-        )
-        return EventStream(frames)
+            outputs = await respond.collect(events, trace, request.receive)
+            return render.chat_completion(job.request_id, created, model, outputs, trace.done, logprobs)
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        renderer = render.ChatRenderer(job.request_id, created, model, data.n, include_usage, logprobs)
+        return EventStream(respond.stream_sse(events, trace, renderer))
 
     @post("/completions", status_code=200, dto=StrictJSON[CompletionRequest], return_dto=None)
     async def completions(
         self, request: Request, data: JSONBody[CompletionRequest], daemon: NamedDependency[Daemon],
         metrics: NamedDependency[Metrics],
     ) -> Completion | EventStream:
-        """Text completion of a raw prompt (no chat template)."""
+        """Text completion of a raw prompt (no chat template): logprobs, ``n`` choices, ``echo``."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
-        job = jobs.completion_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "completions", metrics.observe)
+        job = jobs.completion_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
+        events, trace = await respond.start(daemon.pipeline, job, "completions", metrics.observe, n=data.n)
         created = int(time.time())
+        echo = job.prompt_text if data.echo else ""
         if not data.stream:
-            text, done = await respond.collect(events, trace, request.receive)
-            choice = CompletionChoice(index=0, text=text, finish_reason=done.finish_reason)
-            return Completion(job.request_id, created, model, [choice], respond.usage_of(done))
-
-        def chunk(text: str, finish: str | None = None) -> Completion:
-            return Completion(job.request_id, created, model, [CompletionChoice(0, text, finish)])
-
-        def on_done(done: Done) -> list[Completion]:
-            chunks = [chunk("", done.finish_reason)]
-            if data.stream_options and data.stream_options.include_usage:
-                chunks.append(Completion(job.request_id, created, model, [], respond.usage_of(done)))
-            return chunks
-
-        frames = respond.stream_sse(events, trace, chunk, on_done)
-        return EventStream(frames)
+            outputs = await respond.collect(events, trace, request.receive)
+            return render.text_completion(job.request_id, created, model, outputs, trace.done, data.logprobs, echo)
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        renderer = render.CompletionRenderer(job.request_id, created, model, data.n, include_usage, data.logprobs,
+                                             echo=echo)
+        return EventStream(respond.stream_sse(events, trace, renderer))
 
     @get("/models")
     async def list_models(self, daemon: NamedDependency[Daemon]) -> ModelList:

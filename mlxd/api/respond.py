@@ -1,7 +1,12 @@
 """Running a job through the pipeline and shaping what comes out: one JSON body, or SSE frames.
 
+The pipeline's typed events (:mod:`mlxd.pipeline.events`) are rendered, never re-parsed: :func:`collect` gathers
+them into an :class:`~mlxd.api.output.Output` per choice for a JSON body; :func:`stream_sse` hands each to a
+surface's :class:`~mlxd.api.output.Renderer`, which turns it into SSE frames (optionally named, as the Anthropic
+and Responses APIs name theirs).
+
 Both paths end in one canonical log line per request. Leaving early (a client gone, a stop sequence) closes
-the pipeline's stream, which cancels the engine request.
+the pipeline's stream, which ends the engine request.
 """
 
 from __future__ import annotations
@@ -14,25 +19,20 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 from litestar.types import Receive
 
+from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
+from mlxd.api.output import SSE_KEEPALIVE, Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
-from mlxd.pipeline.job import Done, Job, KeepAlive, TextDelta
+from mlxd.pipeline.events import Done, KeepAlive, TokenLogprobs
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.pipeline import Pipeline
 
 log = get_logger("mlxd.request")
-ENCODER = msgspec.json.Encoder()
-SSE_DONE = b"data: [DONE]\n\n"
-SSE_KEEPALIVE = b": keep-alive\n\n"
-
-
-def sse(payload: msgspec.Struct) -> bytes:
-    return b"data: " + ENCODER.encode(payload) + b"\n\n"
 
 
 def usage_of(done: Done) -> Usage:
@@ -61,6 +61,7 @@ class Trace:
     # The outcome as a label with few values: "ok", "client_disconnected" or "error_<status>".
     result: str = "ok"
     on_end: Callable[[Trace], None] | None = None
+    num_choices: int = 1
 
     def text_sent(self) -> None:
         """A text delta is going out now."""
@@ -102,10 +103,11 @@ class Trace:
             self.on_end(self)
 
 
-async def start(pipeline: Pipeline, job: Job, endpoint: str,
-                on_end: Callable[[Trace], None] | None = None) -> tuple[AsyncIterator[Any], Trace]:
-    """Prepare the job and open its stream; errors here (bad request, overload) become HTTP errors.
-    ``on_end(trace)`` is called once the request's log line is written.
+async def start(pipeline: Pipeline, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
+                n: int = 1) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
+    """Prepare the job and open its stream (``n`` choices: :mod:`mlxd.api.choices`); errors here (bad request,
+    overload) become HTTP errors. The stream yields ``(choice index, event)``. ``on_end(trace)`` is called once
+    the request's log line is written.
 
     The stages' ``prepare`` (rendering, tokenization) runs on a worker thread: a huge prompt never stalls the
     event loop, so every other request, ``/health`` included, keeps being answered.
@@ -114,13 +116,17 @@ async def start(pipeline: Pipeline, job: Job, endpoint: str,
     trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
     try:
         await asyncio.to_thread(pipeline.prepare, job)
+        jobs = siblings(job, n)
         events = pipeline.stream(job)
         first = await anext(events, None)
     except MlxdError as e:
         trace.fail(e)
         trace.log()
         raise
-    return _prepend(first, events), trace
+    trace.num_choices = n
+    if n == 1:
+        return _tagged(first, events), trace
+    return fan_in(pipeline, jobs, _prepend(first, events)), trace
 
 
 async def _prepend(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -131,6 +137,15 @@ async def _prepend(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]
             yield event
 
 
+async def _tagged(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """A lone choice's stream, its events tagged with index 0 (what :func:`_prepend` does, in the same step)."""
+    async with aclosing(events):
+        if first is not None:
+            yield 0, first
+        async for event in events:
+            yield 0, event
+
+
 class ClientDisconnected(MlxdError):
     """The client closed the connection before its non-streaming response was ready."""
 
@@ -138,8 +153,9 @@ class ClientDisconnected(MlxdError):
     type = "client_disconnected"
 
 
-async def collect(events: AsyncIterator[Any], trace: Trace, receive: Receive | None = None) -> tuple[str, Done]:
-    """Drain the stream into (text, Done) for a non-streaming response.
+async def collect(events: AsyncIterator[tuple[int, Any]], trace: Trace,
+                  receive: Receive | None = None) -> list[Output]:
+    """Drain the stream into one :class:`Output` per choice for a non-streaming response.
 
     With the request's ASGI ``receive`` channel, a client that disconnects while waiting aborts the request at
     once (closing the stream cancels the engine request) and :class:`ClientDisconnected` is raised.
@@ -164,18 +180,18 @@ async def collect(events: AsyncIterator[Any], trace: Trace, receive: Receive | N
         trace.log()
 
 
-async def _drain(events: AsyncIterator[Any], trace: Trace) -> tuple[str, Done]:
-    parts: list[str] = []
+async def _drain(events: AsyncIterator[tuple[int, Any]], trace: Trace) -> list[Output]:
+    outputs = [Output() for _ in range(trace.num_choices)]
     async with aclosing(events):
-        async for event in events:
-            if isinstance(event, TextDelta):
+        async for index, event in events:
+            if isinstance(event, Done):
+                outputs[index].done = event
+            elif outputs[index].add(event) and not isinstance(event, TokenLogprobs):
                 trace.text_sent()
-                parts.append(event.text)
-            elif isinstance(event, Done):
-                trace.done = event
-    if trace.done is None:
-        raise PipelineError("the pipeline ended without a final event (is `detokenize` last?)")
-    return "".join(parts), trace.done
+    if any(output.done is None for output in outputs):
+        raise PipelineError("the pipeline ended without a final event (is `detokenize` after `decode`?)")
+    trace.done = total([output.done for output in outputs])
+    return outputs
 
 
 async def _cancel(task: asyncio.Task) -> None:
@@ -191,39 +207,53 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def stream_sse(
-    events: AsyncIterator[Any],
-    trace: Trace,
-    on_text: Callable[[str], msgspec.Struct],
-    on_done: Callable[[Done], list[msgspec.Struct]],
-    opening: msgspec.Struct | None = None,
-) -> AsyncIterator[bytes]:
-    """SSE frames: an optional opening chunk, one chunk per text delta, closing chunks, then ``[DONE]``."""
+async def stream_sse(events: AsyncIterator[tuple[int, Any]], trace: Trace,
+                     renderer: Renderer) -> AsyncIterator[bytes]:
+    """SSE frames: the renderer's opening, its frames for each event and each choice's end, its final frames (once
+    every choice has ended), its terminator."""
+    dones: dict[int, Done] = {}
     try:
         async with aclosing(events):
-            if opening is not None:
-                yield sse(opening)
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    trace.text_sent()
-                    yield sse(on_text(event.text))
-                elif isinstance(event, KeepAlive):
+            for name, payload in renderer.opening():
+                yield sse(payload, name)
+            async for index, event in events:
+                if isinstance(event, KeepAlive):
                     yield SSE_KEEPALIVE
-                elif isinstance(event, Done):
-                    trace.done = event
-                    for chunk in on_done(event):
-                        yield sse(chunk)
-        yield SSE_DONE
+                    continue
+                for name, payload in _frames(renderer, trace, dones, index, event):
+                    yield sse(payload, name)
+        if renderer.terminator:
+            yield renderer.terminator
     except MlxdError as e:
-        # Mid-stream failure: one frame in the API's error shape, then the end of the stream.
+        # Mid-stream failure: the surface's error frame(s), then the end of the stream.
         trace.fail(e)
-        yield sse(ErrorBody(ErrorDetail(message=redact(e.message), type=e.type, code=e.type)))
-        yield SSE_DONE
+        for name, payload in renderer.error(e):
+            yield sse(payload, name)
+        if renderer.terminator:
+            yield renderer.terminator
     except BaseException as e:
         trace.fail(e)
         raise
     finally:
         trace.log()
+
+
+def _frames(renderer: Renderer, trace: Trace, dones: dict[int, Done], index: int, event: Any) -> list:
+    if not isinstance(event, Done):
+        if not isinstance(event, TokenLogprobs):
+            trace.text_sent()
+        return renderer.render(index, event)
+    dones[index] = event
+    frames = renderer.closing(index, event)
+    if len(dones) == trace.num_choices:
+        trace.done = total([dones[i] for i in sorted(dones)])
+        frames += renderer.final(trace.done)
+    return frames
+
+
+def error_body(error: MlxdError) -> ErrorBody:
+    """The OpenAI error shape of a failure, for an error frame in a stream."""
+    return ErrorBody(ErrorDetail(message=redact(error.message), type=error.type, code=error.type))
 
 
 def _outcome(exc: BaseException) -> str:

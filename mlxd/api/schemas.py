@@ -40,6 +40,7 @@ TokenId = Annotated[int, _range("below the model's vocabulary size", ge=0)]
 # `(?![\s\S])`, not `$`, which in Python also matches before a final newline ("5\n").
 TokenIdKey = Annotated[str, Meta(pattern=r"^(0|[1-9][0-9]{0,9})(?![\s\S])")]
 Bias = Annotated[float, _range(ge=-100, le=100)]
+TopLogprobs = Annotated[int, _range("alternatives per token", ge=0, le=20)]
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -119,8 +120,7 @@ class SamplingFields(Strict, kw_only=True):
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    logprobs: bool | int | None = None
+    n: Annotated[int, _range("choices; at most [engine] max_n", ge=1)] = 1
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -138,16 +138,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolSpec] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
-    # NO-OP fields.
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
-    top_logprobs: int | None = None
+    # "none"/"minimal" turn the template's thinking off; "low"/"medium"/"high" turn it on (and reach templates that
+    # take `reasoning_effort`, as gpt-oss's does).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[TokenId]
     echo: bool = False
+    # The legacy API's logprobs: how many top alternatives per token (0 to 5; mlxd allows up to 20).
+    logprobs: TopLogprobs | None = None
     # NO-OP fields.
     best_of: int | None = None
     suffix: str | None = None
@@ -167,16 +171,67 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
-class AssistantMessage(msgspec.Struct):
-    role: str = "assistant"
-    content: str | None = None
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[LogprobOut] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    # `role` and `content` are always there (content null beside tool calls); the others only when present.
+    role: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -192,13 +247,15 @@ class ChatCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -215,7 +272,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct, omit_defaults=True):

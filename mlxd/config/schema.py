@@ -63,6 +63,8 @@ class EngineConfig(Base):
     max_running: Annotated[int, msgspec.Meta(ge=1)] = 16
     # Requests allowed to wait for a running slot; beyond this new requests get 429 with Retry-After.
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # The most choices one request may ask for (`n`); each is a request of its own in the batch.
+    max_n: Annotated[int, msgspec.Meta(ge=1)] = 8
     # Tokens one engine step processes: one per decoding request, the rest for prompt chunks (at least one
     # chunk a step). Smaller keeps running streams smoother while long prompts arrive.
     step_token_budget: Annotated[int, msgspec.Meta(ge=1)] = 512

@@ -1,11 +1,10 @@
-"""Per-request state that flows through the pipeline, and the events of its response stream."""
+"""Per-request state that flows through the pipeline (the events of its response stream are in
+:mod:`mlxd.pipeline.events`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from mlxd.engine.base import EngineRequest, Media, SamplingParams
 
@@ -24,6 +23,11 @@ class Job:
     max_tokens: int | None = None
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = field(default_factory=list)
+    # Output features (chat): what the ``parse`` stage enforces and extracts.
+    tool_choice: str | dict[str, Any] | None = None  # "auto", "none", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}
+    num_logprobs: int | None = None  # None: none; k: the chosen token's and the top k alternatives' logprobs
     # Filled by stages.
     images: list[Any] = field(default_factory=list)  # decoded (mlxd.media), in prompt order: vision models only
     media: Media | None = None  # the images processed for the model, with their placeholder spans
@@ -32,25 +36,10 @@ class Job:
     checkpoints: tuple[int, ...] = ()
     route: str = ""
     engine_request: EngineRequest | None = None
+    # Special tokens that stages downstream of ``detokenize`` need to see (tool-call and channel markers).
+    keep_token_ids: frozenset[int] = frozenset()
+    # Set by a stage that ends the response stream before the engine does (a stop sequence, a parser): the
+    # request then finishes as ``stop`` in the engine, not as a cancellation.
+    ended_by_pipeline: bool = False
     # Room for third-party stages.
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class TextDelta(msgspec.Struct, frozen=True):
-    """Generated text, already cut at stop sequences and free of special tokens."""
-
-    text: str
-
-
-class KeepAlive(msgspec.Struct, frozen=True):
-    """Nothing to send yet (queued or prefilling); streaming clients get an SSE comment."""
-
-
-class Done(msgspec.Struct, frozen=True, kw_only=True):
-    """The last event of a response stream."""
-
-    finish_reason: str
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    num_cached_tokens: int = 0
-    cache_hit: str = "miss"

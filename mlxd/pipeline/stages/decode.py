@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mlxd.engine.base import Failed, Finished, Progress
-from mlxd.errors import EngineError, PipelineError
-from mlxd.pipeline.job import Job, KeepAlive
+from mlxd.errors import EngineError, PipelineError, RequestError
+from mlxd.pipeline.events import KeepAlive
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import PipelineContext, Stage
 
 
@@ -22,6 +23,9 @@ class Decode(Stage):
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if job.engine_request is None:
             raise PipelineError("decode needs an engine request: put a `prefill` stage before it")
+        if _constrained(job) and job.engine_request.logits_processors is None:
+            raise RequestError("this server's pipeline has no `parse` stage, so tool_choice and response_format "
+                               "cannot be enforced", param="response_format" if job.response_format else "tool_choice")
         handle = self.engine.submit(job.engine_request)
         try:
             # Accepted: lets the API send response headers before the first token exists.
@@ -43,4 +47,9 @@ class Decode(Stage):
                     if isinstance(event, Finished):
                         return
         finally:
-            handle.cancel()
+            handle.cancel("stop" if job.ended_by_pipeline else "cancelled")
+
+
+def _constrained(job: Job) -> bool:
+    forced = bool(job.tools) and (job.tool_choice == "required" or isinstance(job.tool_choice, dict))
+    return forced or job.response_format is not None

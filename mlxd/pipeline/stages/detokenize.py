@@ -1,4 +1,8 @@
-"""``detokenize``: token ids → text, with stop sequences cut exactly and special tokens kept out of content."""
+"""``detokenize``: token ids → text, with stop sequences cut exactly and special tokens kept out of content.
+
+It makes :class:`ContentDelta`, :class:`TokenLogprobs` and :class:`Done` events. Special tokens that a later stage
+needs (``Job.keep_token_ids``: tool-call and channel markers, for ``parse``) stay in the text.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from contextlib import aclosing
 from typing import Any
 
 from mlxd.engine.base import Finished, Token
-from mlxd.pipeline.job import Done, Job, TextDelta
+from mlxd.pipeline.events import ContentDelta, Done, TokenLogprob, TokenLogprobs, TopLogprob
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 
@@ -24,14 +29,15 @@ class StopCutter:
         self.text = ""
         self.emitted = 0
 
-    def feed(self, segment: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit now, whether a stop sequence was hit)."""
+    def feed(self, segment: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit now, the stop sequence hit or None)."""
         start = max(0, self.emitted - max((len(s) for s in self.stops), default=0))
         self.text += segment
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            return self._emit_until(min(hits)), True
-        return self._emit_until(len(self.text) - self._held_back()), False
+            at, stop = min(hits)
+            return self._emit_until(at), stop
+        return self._emit_until(len(self.text) - self._held_back()), None
 
     def flush(self) -> str:
         return self._emit_until(len(self.text))
@@ -62,6 +68,7 @@ class Detokenize(Stage):
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         detokenizer = self.tokenizer.detokenizer
         cutter = StopCutter(job.stop)
+        skipped = self.skipped - job.keep_token_ids
         num_tokens = 0
         async with aclosing(events):
             async for event in events:
@@ -70,29 +77,39 @@ class Detokenize(Stage):
                     continue
                 if isinstance(event, Finished):
                     detokenizer.finalize()
-                    text, stopped = cutter.feed(detokenizer.last_segment)
-                    text += "" if stopped else cutter.flush()
+                    text, stop = cutter.feed(detokenizer.last_segment)
+                    text += "" if stop else cutter.flush()
                     if text:
-                        yield TextDelta(text)
-                    yield _done(job, "stop" if stopped else event.reason, num_tokens, event)
+                        yield ContentDelta(text)
+                    yield _done(job, "stop" if stop else event.reason, num_tokens, event, stop_sequence=stop)
                     return
                 num_tokens += 1
-                if event.token in self.skipped:
+                if event.logprob is not None:
+                    yield self._logprobs(event)
+                if event.token in skipped:
                     continue
                 detokenizer.add_token(event.token)
-                text, stopped = cutter.feed(detokenizer.last_segment)
+                text, stop = cutter.feed(detokenizer.last_segment)
                 if text:
-                    yield TextDelta(text)
-                if stopped:
-                    yield _done(job, "stop", num_tokens)
+                    yield ContentDelta(text)
+                if stop:
+                    job.ended_by_pipeline = True
+                    yield _done(job, "stop", num_tokens, stop_sequence=stop)
                     return
 
+    def _logprobs(self, token: Token) -> TokenLogprobs:
+        text = self.tokenizer.decode([token.token])
+        top = tuple(TopLogprob(i, self.tokenizer.decode([i]), lp) for i, lp in token.top)
+        return TokenLogprobs((TokenLogprob(token=token.token, text=text, logprob=token.logprob, top=top),))
 
-def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = None) -> Done:
+
+def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = None,
+          stop_sequence: str | None = None) -> Done:
     return Done(
         finish_reason=reason,
         num_prompt_tokens=len(job.prompt_ids),
         num_completion_tokens=num_tokens,
         num_cached_tokens=finished.num_cached_tokens if finished else 0,
         cache_hit=finished.cache_hit if finished else "miss",
+        stop_sequence=stop_sequence,
     )

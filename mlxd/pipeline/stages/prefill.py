@@ -52,4 +52,5 @@ class Prefill(Stage):
             media=job.media,
             route=job.route or "text",
             prompt_text=job.prompt_text,
+            num_logprobs=job.num_logprobs,
         )

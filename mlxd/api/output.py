@@ -1,0 +1,106 @@
+"""What a response is made of, whatever the surface: SSE frames, the :class:`Renderer` protocol each surface
+implements, and :class:`Output`, a whole response gathered from its typed events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from mlxd.errors import MlxdError
+from mlxd.pipeline.events import (
+    ContentDelta,
+    Done,
+    ReasoningDelta,
+    TokenLogprob,
+    TokenLogprobs,
+    ToolCallDelta,
+)
+
+ENCODER = msgspec.json.Encoder()
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+# An SSE frame to write: its event name (None: a plain `data:` frame) and its payload.
+Frame = tuple[str | None, msgspec.Struct]
+
+
+def sse(payload: msgspec.Struct, event: str | None = None) -> bytes:
+    data = b"data: " + ENCODER.encode(payload) + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+class Renderer(Protocol):
+    """How one API surface writes a response stream. Events come with their choice's index (``n`` > 1 interleaves
+    choices): frames for the opening, each event, each choice's end, the whole response's end (with the usage
+    of all choices) and a failure."""
+
+    # Written after the last frame (OpenAI's `data: [DONE]`), or None.
+    terminator: bytes | None
+
+    def opening(self) -> list[Frame]: ...
+
+    def render(self, index: int, event: ContentDelta | ReasoningDelta | ToolCallDelta | TokenLogprobs) -> list[Frame]:
+        ...
+
+    def closing(self, index: int, done: Done) -> list[Frame]: ...
+
+    def final(self, done: Done) -> list[Frame]: ...
+
+    def error(self, error: MlxdError) -> list[Frame]: ...
+
+
+def total(dones: list[Done]) -> Done:
+    """One final event for a response of several choices: their token counts added up; the first choice's reason.
+    The prompt is counted once (the choices share it)."""
+    first = dones[0]
+    if len(dones) == 1:
+        return first
+    return msgspec.structs.replace(first, num_completion_tokens=sum(d.num_completion_tokens for d in dones))
+
+
+@dataclass(slots=True)
+class CallParts:
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Output:
+    """A whole response, gathered from its events (for non-streaming responses)."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, CallParts] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    done: Done | None = None
+
+    def add(self, event: Any) -> bool:
+        """Take one event; return whether it was output (text, reasoning, a call or logprobs)."""
+        if isinstance(event, ContentDelta):
+            self.content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning.append(event.text)
+        elif isinstance(event, ToolCallDelta):
+            call = self.calls.get(event.index)
+            if call is None:
+                call = self.calls[event.index] = CallParts(event.id or "", event.name or "")
+            call.arguments.append(event.arguments)
+        elif isinstance(event, TokenLogprobs):
+            self.logprobs.extend(event.entries)
+        else:
+            return False
+        return True
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return "".join(self.reasoning) if self.reasoning else None
+
+    def tool_calls(self) -> list[tuple[str, str, str]]:
+        """(id, name, arguments as JSON text) of each call, in order."""
+        return [(c.id, c.name, "".join(c.arguments)) for _, c in sorted(self.calls.items())]
