@@ -16,6 +16,9 @@ PRESETS = {
     # Qwen3-8B's published shape.
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    # Small enough for CPU runs that measure per-token overheads (with a 49k vocabulary, say).
+    "small": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64),
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128),
 }

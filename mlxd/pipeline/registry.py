@@ -18,6 +18,7 @@ BUILTIN_STAGES = {
     "prefill": "mlxd.pipeline.stages.prefill:Prefill",
     "decode": "mlxd.pipeline.stages.decode:Decode",
     "detokenize": "mlxd.pipeline.stages.detokenize:Detokenize",
+    "parse": "mlxd.pipeline.stages.parse:Parse",
 }
 
 

@@ -5,7 +5,8 @@
   and one ``{"type": "image"}`` part where each image was, which the chat template renders as the image's
   placeholder; the images themselves are fetched, checked and decoded here (``mlxd.media``), in prompt order. Image
   parts sent to a text model, and video parts, are refused naming the part.
-- Assistant tool-call ``arguments`` given as a JSON string become a dict, for templates that iterate them.
+- Assistant tool-call ``arguments`` given as a JSON string become a dict, for templates that iterate them; for
+  templates that only render them as a string (DeepSeek's concatenate them), they stay JSON text (checked).
 - Consecutive same-role messages are merged when the template requires alternation.
 - A system message in mid-conversation stays in place where the template renders it there; otherwise it
   becomes a clearly marked user turn. It is never moved to the front unless ``hoist_system`` is set, since
@@ -41,6 +42,7 @@ class Normalize(Stage):
         super().__init__(config)
         self.requires_alternation = config.merge_consecutive == "always"
         self.mid_system_in_place = True
+        self.arguments_as_text = False
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.accepts_images = ctx.model.kind == "vision"
@@ -53,6 +55,8 @@ class Normalize(Stage):
             self.requires_alternation = not _renders(ctx.tokenizer, _probe_consecutive())
         marker = "MLXD-PROBE-7f3a"
         self.mid_system_in_place = marker in (_render(ctx.tokenizer, _probe_mid_system(marker)) or "")
+        self.arguments_as_text = (not _renders(ctx.tokenizer, _probe_tool_call({"x": 1}))
+                                  and _renders(ctx.tokenizer, _probe_tool_call('{"x": 1}')))
 
     def prepare(self, job: Job) -> None:
         if job.messages is None:
@@ -77,7 +81,7 @@ class Normalize(Stage):
         elif content is None:
             out["content"] = ""
         if "tool_calls" in out:
-            out["tool_calls"] = [_parse_arguments(call) for call in out["tool_calls"]]
+            out["tool_calls"] = [_parse_arguments(call, self.arguments_as_text) for call in out["tool_calls"]]
         return out
 
     def _take_images(self, job: Job) -> None:
@@ -115,17 +119,19 @@ def _template_part(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "image"} if is_image_part(part) else {"type": "text", "text": _text_of(part)}
 
 
-def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
+def _parse_arguments(call: dict[str, Any], as_text: bool = False) -> dict[str, Any]:
+    """The call with its arguments as a dict, or (``as_text``) as compact JSON text; invalid JSON is a 400."""
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
             raise RequestError(
                 f"tool call {function.get('name')!r}: `arguments` is not valid JSON ({e.msg})",
                 param="messages",
             ) from e
+    function["arguments"] = json.dumps(arguments, ensure_ascii=False) if as_text else arguments
     return {**call, "function": function}
 
 
@@ -157,6 +163,12 @@ def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
 
 def _probe_consecutive() -> list[dict[str, Any]]:
     return [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def _probe_tool_call(arguments: Any) -> list[dict[str, Any]]:
+    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "b"}]
 
 
 def _probe_mid_system(marker: str) -> list[dict[str, Any]]:

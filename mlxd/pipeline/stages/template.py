@@ -6,6 +6,7 @@ from typing import Any
 
 from mlxd.errors import ContextLengthExceeded, RequestError
 from mlxd.log import get_logger
+from mlxd.pipeline.hermes import tool_list_in_system, tool_mode, tools_in_messages
 from mlxd.pipeline.images import ImageInputs
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
@@ -50,6 +51,8 @@ class Template(Stage):
         self.tokenizer = ctx.tokenizer
         self.images = ImageInputs(ctx.processor, ctx.model.image_token_id) if ctx.processor is not None else None
         self.context_length = ctx.model.context_length
+        # Templates that do not render tools themselves get help (mlxd.pipeline.hermes).
+        self.tool_mode = tool_mode(getattr(ctx.tokenizer, "chat_template", None))
         self.max_prompt_bytes = ctx.model.context_length * max_token_bytes(ctx.tokenizer) * _NORMALIZER_MARGIN
 
     def prepare(self, job: Job) -> None:
@@ -70,6 +73,7 @@ class Template(Stage):
             job.prompt_ids = self.tokenizer.encode(job.prompt, add_special_tokens=True)
         elif job.prompt is not None:  # token ids: checked against the vocabulary by the API and the engine
             job.prompt_ids = list(job.prompt)
+            job.prompt_text = self.tokenizer.decode(job.prompt_ids)
 
     def _refuse_oversized(self, num_bytes: int, param: str) -> None:
         """Refuse, before rendering or tokenizing, a prompt whose size alone proves it cannot fit the context."""
@@ -96,10 +100,16 @@ class Template(Stage):
 
     def _render(self, job: Job, add_generation_prompt: bool) -> str:
         kwargs = {**self.config.kwargs, **job.template_kwargs}
+        messages, tools = job.messages, job.tools or None
+        if self.tool_mode == "list" and tools:
+            messages, tools = tool_list_in_system(messages, tools), None
+        elif self.tool_mode == "hermes" and (tools or any(m.get("tool_calls") or m["role"] == "tool"
+                                                          for m in messages)):
+            messages, tools = tools_in_messages(messages, tools), None
         try:
             return self.tokenizer.apply_chat_template(
-                job.messages,
-                tools=job.tools or None,
+                messages,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,

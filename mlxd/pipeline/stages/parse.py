@@ -1,0 +1,148 @@
+"""``parse``: split generated text into content, reasoning and tool calls, and enforce the request's output format.
+
+On the way in (``prepare``), it keeps the special tokens its parsers read out of ``detokenize``'s hands and, for
+``tool_choice`` ``required`` or a named function and for ``response_format`` JSON, hands the engine a grammar as a
+logits-processor factory (:mod:`mlxd.constraints`). On the way out (``stream``), content goes through the reasoning
+parser, then the tool parser; a response with calls finishes as ``tool_calls``. Text completions pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+
+from mlxd.constraints import GrammarCompiler, make_constraint_factory
+from mlxd.errors import RequestError
+from mlxd.pipeline.events import ContentDelta, Done
+from mlxd.pipeline.job import Job
+from mlxd.pipeline.parsers.harmony import HarmonyParser
+from mlxd.pipeline.parsers.registry import reasoning_parser_for, tool_parser_for
+from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+
+
+class ParseConfig(NoOptions, frozen=True):
+    # "auto": the format the chat template uses; a registry name (hermes, qwen3_coder, llama3, mistral, deepseek,
+    # glm45, pythonic, harmony, generic); or "none".
+    tool_parser: str = "auto"
+    # "auto": the chat template's (think, harmony); a registry name; or "none".
+    reasoning_parser: str = "auto"
+
+
+class Parse(Stage):
+    name = "parse"
+    Config = ParseConfig
+
+    def __init__(self, config: ParseConfig) -> None:
+        super().__init__(config)
+        # Unknown names are config errors at start-up, before the model loads.
+        for name, lookup in ((config.tool_parser, tool_parser_for), (config.reasoning_parser, reasoning_parser_for)):
+            if name != "auto":
+                lookup(name, None)
+
+    def warm_up(self, ctx: PipelineContext) -> None:
+        template = getattr(ctx.tokenizer, "chat_template", None)
+        self.tool_cls = tool_parser_for(self.config.tool_parser, template)
+        self.reasoning_cls = reasoning_parser_for(self.config.reasoning_parser, template)
+        if self.tool_cls is HarmonyParser:  # one parser reads all of Harmony's channels
+            self.reasoning_cls = None
+        markers = [m for cls in (self.tool_cls, self.reasoning_cls) if cls for m in cls.special_markers]
+        self.keep_token_ids = frozenset(_special_ids(ctx.tokenizer, markers) & ctx.model.special_token_ids)
+        self.compiler = GrammarCompiler(ctx.tokenizer, n_vocab=ctx.model.vocab_size)
+        self.eos_token_ids = sorted(ctx.model.eos_token_ids)
+
+    def prepare(self, job: Job) -> None:
+        if job.messages is None or job.engine_request is None:
+            return
+        job.keep_token_ids = job.keep_token_ids | self.keep_token_ids
+        grammar = self._grammar(job)
+        if grammar is not None:
+            job.engine_request.logits_processors = make_constraint_factory(grammar, self.compiler, self.eos_token_ids)
+
+    def _grammar(self, job: Job) -> Any:
+        forced = job.tools and (job.tool_choice == "required" or isinstance(job.tool_choice, dict))
+        if not forced and job.response_format is None:
+            return None
+        if self.reasoning_cls is not None and self.reasoning_cls.opens_in_prompt(job.prompt_text):
+            raise RequestError("constrained output cannot start inside the open reasoning block this prompt ends "
+                               "with; turn thinking off (reasoning_effort 'none' or chat_template_kwargs "
+                               "{\"enable_thinking\": false})", param="tool_choice" if forced else "response_format")
+        if forced:
+            if self.tool_cls is None or self.tool_cls.name != "hermes":
+                name = self.tool_cls.name if self.tool_cls else "none"
+                raise RequestError(f"tool_choice {job.tool_choice!r} is enforced for Hermes-format tool calls only; "
+                                   f"this model's tool format is {name!r}", param="tool_choice")
+            return self.compiler.tool_call(job.tools, job.tool_choice, job.parallel_tool_calls)
+        fmt = job.response_format
+        if fmt["type"] == "json_object":
+            return self.compiler.json_object()
+        return self.compiler.json_schema(fmt["schema"], fmt["strict"])
+
+    def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Text completions, and chats with neither a reasoning parser nor tools, pass through untouched (no
+        extra step per token)."""
+        reasoning, tools = (self._reasoning(job), self._tools(job)) if job.messages is not None else (None, None)
+        if reasoning is None and tools is None:
+            return events
+        return self._split(_Splitter(reasoning, tools), events)
+
+    async def _split(self, split: _Splitter, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, ContentDelta):
+                    for out in split.feed(event.text):
+                        yield out
+                elif isinstance(event, Done):
+                    for out in split.finish():
+                        yield out
+                    yield split.done(event)
+                    return
+                else:
+                    yield event
+
+    def _reasoning(self, job: Job) -> Any:
+        cls = self.reasoning_cls
+        return cls(in_reasoning=cls.opens_in_prompt(job.prompt_text)) if cls is not None else None
+
+    def _tools(self, job: Job) -> Any:
+        if self.tool_cls is None or not (job.tools or self.tool_cls is HarmonyParser):
+            return None
+        return self.tool_cls(job.tools)
+
+
+class _Splitter:
+    """Content through the reasoning parser, then what stays content through the tool parser."""
+
+    def __init__(self, reasoning: Any, tools: Any) -> None:
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, text: str) -> list[Any]:
+        return self._tools(self.reasoning.feed(text) if self.reasoning else [ContentDelta(text)])
+
+    def finish(self) -> list[Any]:
+        out = self._tools(self.reasoning.finish()) if self.reasoning else []
+        return out + (self.tools.finish() if self.tools else [])
+
+    def done(self, done: Done) -> Done:
+        if self.tools is not None and self.tools.num_calls and done.finish_reason == "stop":
+            return msgspec.structs.replace(done, finish_reason="tool_calls")
+        return done
+
+    def _tools(self, events: Iterable[Any]) -> list[Any]:
+        if self.tools is None:
+            return [e for e in events if not isinstance(e, ContentDelta) or e.text]
+        out: list[Any] = []
+        for event in events:
+            out.extend(self.tools.feed(event.text) if isinstance(event, ContentDelta) else [event])
+        return out
+
+
+def _special_ids(tokenizer: Any, markers: list[str]) -> set[int]:
+    ids = set()
+    for marker in markers:
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+            ids.add(token_id)
+    return ids
