@@ -153,3 +153,14 @@ def test_requests_the_server_cannot_honour_are_400s_naming_the_field(server, bod
     assert response.status_code == 400, response.text
     error = json.loads(response.text)["error"]
     assert error["param"] == param or param in error["message"]
+
+
+def test_a_schema_feature_the_grammar_engine_cannot_enforce_is_a_400_naming_it(server):
+    base, _ = server
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["a"]}}
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    response = httpx.post(base + "/v1/chat/completions", json=payload, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format" and '"not"' in error["message"]

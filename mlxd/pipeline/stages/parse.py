@@ -54,11 +54,11 @@ class Parse(Stage):
         self.eos_token_ids = sorted(ctx.model.eos_token_ids)
 
     def prepare(self, job: Job) -> None:
-        if job.messages is None or job.engine_request is None:
+        if job.messages is None:
             return
         job.keep_token_ids = job.keep_token_ids | self.keep_token_ids
         grammar = self._grammar(job)
-        if grammar is not None:
+        if grammar is not None and job.engine_request is not None:
             job.engine_request.logits_processors = make_constraint_factory(grammar, self.compiler, self.eos_token_ids)
 
     def _grammar(self, job: Job) -> Any:
