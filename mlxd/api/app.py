@@ -43,7 +43,10 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
             daemon.close()
 
     return Litestar(
-        route_handlers=[OpenAIController, OpsController],
+        route_handlers=[
+            OpenAIController,
+            OpsController,
+        ],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False),
                       "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False)},
         guards=[make_guard(keys)],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.api.output import Frame, Output
+from mlxd.api.output import SSE_KEEPALIVE, Frame, Output
 from mlxd.api.respond import error_body, usage_of
 from mlxd.api.schemas import (
     AssistantMessage,
@@ -85,6 +85,7 @@ class ChatRenderer:
     include_usage: bool = False
     logprobs: bool = False
     terminator: bytes | None = SSE_DONE
+    keepalive: bytes = SSE_KEEPALIVE
     _pending: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     def chunk(self, index: int, delta: Delta, finish: str | None = None,
@@ -138,6 +139,7 @@ class CompletionRenderer:
     num_logprobs: int | None = None
     echo: str = ""  # the prompt, sent first in each choice (``echo``)
     terminator: bytes | None = SSE_DONE
+    keepalive: bytes = SSE_KEEPALIVE
     _pending: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     _offsets: dict[int, int] = field(default_factory=dict)
 

@@ -37,6 +37,8 @@ class Renderer(Protocol):
 
     # Written after the last frame (OpenAI's `data: [DONE]`), or None.
     terminator: bytes | None
+    # Written while nothing else is (queued, prefilling): an SSE comment, or a surface's own event (a `ping`).
+    keepalive: bytes
 
     def opening(self) -> list[Frame]: ...
 

@@ -24,7 +24,7 @@ from litestar.types import Receive
 
 from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
-from mlxd.api.output import SSE_KEEPALIVE, Output, Renderer, sse, total
+from mlxd.api.output import Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
@@ -97,6 +97,7 @@ class Trace:
             ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
             total_s=round(now - self.started, 4),
             finish_reason=done.finish_reason if done else None,
+            max_tokens_clamped_from=self.job.max_tokens_clamped_from,
             outcome=self.outcome,
         )
         if self.on_end is not None:
@@ -218,7 +219,7 @@ async def stream_sse(events: AsyncIterator[tuple[int, Any]], trace: Trace,
                 yield sse(payload, name)
             async for index, event in events:
                 if isinstance(event, KeepAlive):
-                    yield SSE_KEEPALIVE
+                    yield renderer.keepalive
                     continue
                 for name, payload in _frames(renderer, trace, dones, index, event):
                     yield sse(payload, name)

@@ -21,6 +21,10 @@ class Job:
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    # Clients that always send a huge max_tokens (Anthropic Messages, OpenAI Responses): cut it to what the context
+    # leaves instead of refusing the request; ``max_tokens_clamped_from`` then records what was asked (for the log).
+    clamp_max_tokens: bool = False
+    max_tokens_clamped_from: int | None = None
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = field(default_factory=list)
     # Output features (chat): what the ``parse`` stage enforces and extracts.

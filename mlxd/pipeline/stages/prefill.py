@@ -33,6 +33,8 @@ class Prefill(Stage):
         room = self.context_length - num_prompt
         if job.max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
+        elif job.max_tokens > room and job.clamp_max_tokens:
+            max_tokens, job.max_tokens_clamped_from = room, job.max_tokens
         elif job.max_tokens > room:
             raise ContextLengthExceeded(
                 f"max_tokens={job.max_tokens} plus the prompt's {num_prompt} tokens exceeds the context of "
