@@ -58,13 +58,18 @@ def _httpx_kwargs(case: schemathesis.Case, served_model: bool) -> dict[str, Any]
 
 
 def error_shape_problem(response: httpx.Response) -> str | None:
-    """Why a 4xx body is not ``{"error": {"message", "type", "param", "code"}}`` with nothing internal, or None."""
+    """Why a 4xx body is not the route's error shape with nothing internal, or None: OpenAI's
+    ``{"error": {"message", "type", "param", "code"}}``, or on the Anthropic routes (``/v1/messages…``)
+    ``{"type": "error", "error": {"type", "message"}}``."""
     try:
         body = response.json()
     except ValueError:
         return f"not JSON: {response.text[:200]!r}"
     error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict) or set(body) != {"error"} or set(error) != {"message", "type", "param", "code"}:
+    anthropic = response.request.url.path.startswith("/v1/messages")
+    keys, fields = ({"type", "error"}, {"type", "message"}) if anthropic else ({"error"}, {"message", "type", "param",
+                                                                                           "code"})
+    if not isinstance(error, dict) or set(body) != keys or set(error) != fields:
         return f"not the error shape: {response.text[:200]}"
     if not isinstance(error["message"], str) or not isinstance(error["type"], str):
         return f"message and type must be strings: {response.text[:200]}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -94,3 +96,47 @@ def test_hoisting_is_opt_in(tokenizer):
                                {"role": "user", "content": "d"}])
     assert messages[0] == {"role": "system", "content": "S\n\nMID"}
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+
+
+BILLING_1 = "x-anthropic-billing-header: cc_version=2.1.197.c23; cc_entrypoint=sdk-cli;"
+BILLING_2 = "x-anthropic-billing-header: cc_version=2.1.197.a5a; cc_entrypoint=cli;"
+CLAUDE_SYSTEM = ["You are a Claude agent, built on Anthropic's Claude Agent SDK.", "\nYou are an interactive agent."]
+
+
+@pytest.fixture(scope="module")
+def chatml(tiny_model_dir):
+    """A tokenizer of its own: the other tests here swap the shared one's template for STRICT."""
+    return load_tokenizer(tiny_model_dir)
+
+
+def claude_code_turn(billing: str, question: str) -> list[dict]:
+    """A request as the Anthropic surface hands it on: the system blocks as text parts, the billing line first."""
+    parts = [{"type": "text", "text": t} for t in (billing, *CLAUDE_SYSTEM)]
+    return [{"role": "system", "content": parts}, {"role": "user", "content": question}]
+
+
+def test_billing_header_line_is_removed_so_prompts_share_a_prefix(chatml):
+    normalize = stage(chatml)
+    first, second = run(normalize, claude_code_turn(BILLING_1, "a")), run(normalize, claude_code_turn(BILLING_2, "b"))
+    assert first[0] == second[0] == {"role": "system", "content": "\n".join(CLAUDE_SYSTEM)}
+    assert first[1] == {"role": "user", "content": "a"}
+    render = [chatml.apply_chat_template(m, tokenize=False) for m in (first, second)]
+    shared = os.path.commonprefix(render)
+    assert render[0][len(shared):].startswith("a") and CLAUDE_SYSTEM[1] in shared and "billing" not in shared
+
+
+def test_billing_header_only_leading_system_lines(chatml):
+    normalize = stage(chatml)
+    untouched = [
+        {"role": "system", "content": "Be brief.\n" + BILLING_1},      # not at the start
+        {"role": "user", "content": BILLING_1 + "\nhello"},             # not a system message
+        {"role": "system", "content": "x-anthropic-billing-header"},    # no colon: not the header line
+    ]
+    assert run(normalize, untouched) == untouched
+    assert run(normalize, [{"role": "developer", "content": BILLING_1}]) == [{"role": "system", "content": ""}]
+
+
+def test_billing_header_kept_when_turned_off(chatml):
+    normalize = stage(chatml, canonicalize_billing_header=False)
+    messages = run(normalize, claude_code_turn(BILLING_1, "a"))
+    assert messages[0]["content"] == "\n".join((BILLING_1, *CLAUDE_SYSTEM))

@@ -11,11 +11,13 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from mlxd import __version__
+from mlxd.api.anthropic import AnthropicController
 from mlxd.api.auth import load_keys, make_guard
 from mlxd.api.errors import EXCEPTION_HANDLERS
 from mlxd.api.metrics import Metrics
 from mlxd.api.openai import OpenAIController
 from mlxd.api.ops import OpsController
+from mlxd.api.responses import ResponsesController
 from mlxd.daemon import Daemon
 from mlxd.log import get_logger
 
@@ -45,6 +47,8 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
     return Litestar(
         route_handlers=[
             OpenAIController,
+            AnthropicController,
+            ResponsesController,
             OpsController,
         ],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False),

@@ -50,8 +50,9 @@ class ModelConfig(Base):
     aliases: list[str] = []
     # A Jinja chat template (inline text, or a path to a file) that replaces the model's own.
     chat_template: str = ""
-    # 0: read from the model's config (max_position_embeddings).
-    context_length: int = 0
+    # Prompt + completion tokens a request may use. 0: the trained length from the model's config.json
+    # (max_position_embeddings). Above the trained length is allowed (for RoPE-scaled use) but logged as a warning.
+    context_length: Annotated[int, msgspec.Meta(ge=0)] = 0
     # "auto": float32 on Linux CPU (fast with OpenBLAS), the model's own dtype elsewhere.
     dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = "auto"
     sampling: SamplingDefaults = SamplingDefaults()

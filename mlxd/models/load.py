@@ -16,6 +16,9 @@ from typing import Any
 
 from mlxd.config.schema import ModelConfig
 from mlxd.errors import ModelLoadError
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.models")
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = ("embedded:smollm2-135m",)
@@ -122,7 +125,7 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
         mx.eval(model.parameters())
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
-    context = config.context_length or _context_length(model_config)
+    context = choose_context_length(config.context_length, _context_length(model_config))
     return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model), processor)
 
 
@@ -135,6 +138,16 @@ def _load_text(folder: Path) -> tuple[Any, Any, dict]:
         return mlx_lm_load(str(folder), return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+
+
+def choose_context_length(configured: int, trained: int) -> int:
+    """``[model] context_length`` when set (non-zero), else the model's trained length. A setting above the trained
+    length is honoured but logged as a warning naming both, since quality past it depends on the model."""
+    if not configured:
+        return trained
+    if configured > trained:
+        log.warning("context_length_above_trained", context_length=configured, trained_context_length=trained)
+    return configured
 
 
 def _context_length(model_config: dict) -> int:

@@ -11,11 +11,18 @@
 - A system message in mid-conversation stays in place where the template renders it there; otherwise it
   becomes a clearly marked user turn. It is never moved to the front unless ``hoist_system`` is set, since
   rewriting the start of the prompt defeats prefix caching.
+- A system text that starts with Claude Code's ``x-anthropic-billing-header: …`` line loses that line
+  (``canonicalize_billing_header``). It carries no instruction, only a fingerprint (``cc_version=2.1.197.c23``)
+  that stays the same across the turns of a conversation but changes with its first prompt and with the Claude
+  Code version; at the very start of the prompt it would keep conversations that share the whole system prompt
+  and tool list from sharing any cached prefix. Removed rather than replaced: a fixed line would cost tokens on
+  every request and tell the model nothing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from mlxd.config.schema import VisionConfig
@@ -26,12 +33,14 @@ from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 ROLE_ALIASES = {"developer": "system", "function": "tool"}
 MID_SYSTEM_PREFIX = "[System message]\n"
+BILLING_LINE = re.compile(r"x-anthropic-billing-header:[^\n]*(?:\n+|$)")
 
 
 class NormalizeConfig(NoOptions, frozen=True):
     merge_consecutive: Literal["auto", "always", "never"] = "auto"
     hoist_system: bool = False
     part_separator: str = "\n"
+    canonicalize_billing_header: bool = True
 
 
 class Normalize(Stage):
@@ -63,6 +72,8 @@ class Normalize(Stage):
             return
         self._take_images(job)
         messages = [self._message(m, job) for m in job.messages]
+        if self.config.canonicalize_billing_header:
+            messages = [strip_billing_header(m) for m in messages]
         messages = self._place_system(messages)
         if self.requires_alternation:
             messages = merge_consecutive(messages)
@@ -133,6 +144,16 @@ def _parse_arguments(call: dict[str, Any], as_text: bool = False) -> dict[str, A
             ) from e
     function["arguments"] = json.dumps(arguments, ensure_ascii=False) if as_text else arguments
     return {**call, "function": function}
+
+
+def strip_billing_header(message: dict[str, Any]) -> dict[str, Any]:
+    """The message without a leading ``x-anthropic-billing-header:`` line (and the line breaks after it) when it is
+    a system message whose text starts with one; any other message is returned as it is."""
+    content = message.get("content")
+    if message["role"] != "system" or not isinstance(content, str):
+        return message
+    match = BILLING_LINE.match(content)
+    return {**message, "content": content[match.end():]} if match else message
 
 
 def merge_consecutive(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

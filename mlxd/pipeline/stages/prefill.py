@@ -31,7 +31,9 @@ class Prefill(Stage):
                 param="messages",
             )
         room = self.context_length - num_prompt
-        if job.max_tokens is None:
+        if job.max_tokens is None and job.clamp_max_tokens:
+            max_tokens = room  # agent surfaces (Responses) without a limit: what the context leaves
+        elif job.max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif job.max_tokens > room and job.clamp_max_tokens:
             max_tokens, job.max_tokens_clamped_from = room, job.max_tokens

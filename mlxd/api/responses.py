@@ -1,0 +1,58 @@
+"""The OpenAI Responses surface: ``POST /v1/responses``, as the ``openai`` SDK and the Codex CLI use it.
+
+Stateless: each request carries its whole conversation in ``input``; nothing is stored (``store`` is accepted and
+ignored, ``previous_response_id`` is refused). Requests become chat-shaped jobs (:mod:`mlxd.api.responses_jobs`)
+and their events become output items (:mod:`mlxd.api.responses_render`), streamed as named SSE events or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from litestar import Controller, Request, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+
+from mlxd.api import respond
+from mlxd.api.body import StrictJSON
+from mlxd.api.metrics import Metrics
+from mlxd.api.openai import EventStream
+from mlxd.api.responses_jobs import responses_job
+from mlxd.api.responses_render import ResponsesRenderer, replay
+from mlxd.api.responses_schemas import ResponseObject, ResponsesRequest
+from mlxd.daemon import Daemon
+
+
+class ResponsesController(Controller):
+    path = "/v1"
+    tags = ["OpenAI Responses"]
+
+    @post("/responses", status_code=200, dto=StrictJSON[ResponsesRequest], return_dto=None)
+    async def create_response(
+        self, request: Request, data: JSONBody[ResponsesRequest], daemon: NamedDependency[Daemon],
+        metrics: NamedDependency[Metrics],
+    ) -> ResponseObject | EventStream:
+        """A model response to ``input``: a response object, or (``stream``) its named SSE events ending with
+        ``response.completed``, ``response.incomplete`` or ``response.failed``."""
+        daemon.require_ready()
+        model = daemon.resolve_model(data.model)
+        job, settings = responses_job(data, model, daemon.config.model.sampling)
+        events, trace = await respond.start(daemon.pipeline, job, "responses", metrics.observe)
+        renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
+        if data.stream:
+            return EventStream(respond.stream_sse(events, trace, renderer))
+        recorded: list[tuple[int, Any]] = []
+        await respond.collect(_recording(events, recorded), trace, request.receive)
+        return replay(renderer, recorded)
+
+
+async def _recording(events: AsyncIterator[tuple[int, Any]], into: list[tuple[int, Any]]
+                     ) -> AsyncIterator[tuple[int, Any]]:
+    """``events``, each also appended to ``into`` (the order of items is in the events, not in their sum)."""
+    async with aclosing(events):
+        async for event in events:
+            into.append(event)
+            yield event
