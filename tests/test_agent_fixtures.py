@@ -39,6 +39,17 @@ def fixture(name: str) -> dict[str, Any]:
 
 
 CLAUDE_TURNS = [fixture("claude_code_turn1.json"), fixture("claude_code_turn2.json")]
+# The billing-header line Claude Code sent in another recorded conversation (its hash differs). The recorded turns
+# of one conversation carry the same line; turn 2 is replayed with this one, as a newer Claude Code (or another
+# conversation) would send it, so that the cache hit shows that mlxd keeps the line out of the prompt.
+OTHER_BILLING_LINE = "x-anthropic-billing-header: cc_version=2.1.197.a5a; cc_entrypoint=sdk-cli;"
+
+
+def with_billing_line(turn: dict[str, Any], line: str) -> dict[str, Any]:
+    system = [dict(block) for block in turn["body"]["system"]]
+    assert system[0]["text"].startswith("x-anthropic-billing-header:") and system[0]["text"] != line
+    system[0]["text"] = line
+    return {**turn, "body": {**turn["body"], "system": system}}
 CODEX_TURNS = [fixture("codex_responses.json"), fixture("codex_responses_turn2.json")]
 
 
@@ -146,7 +157,7 @@ def responses_answer(response: httpx.Response) -> dict[str, Any]:
 
 def test_claude_code_turns_are_answered_and_the_second_reuses_the_first(claude_server: str, context_length: int):
     messages = []
-    for turn in CLAUDE_TURNS:
+    for turn in [CLAUDE_TURNS[0], with_billing_line(CLAUDE_TURNS[1], OTHER_BILLING_LINE)]:
         body = turn["body"]
         assert body["max_tokens"] == 64000 and body["stream"] is True  # as recorded, and replayed so
         message = anthropic_answer(post(claude_server, turn), body["stream"])

@@ -53,6 +53,9 @@ class Template(Stage):
         self.context_length = ctx.model.context_length
         # Templates that do not render tools themselves get help (mlxd.pipeline.hermes).
         self.tool_mode = tool_mode(getattr(ctx.tokenizer, "chat_template", None))
+        # Requests may set the thinking switch (Anthropic `thinking`, `reasoning_effort`); a template without one
+        # ignores it, which the log says.
+        self.has_thinking_switch = "enable_thinking" in str(getattr(ctx.tokenizer, "chat_template", None) or "")
         self.max_prompt_bytes = ctx.model.context_length * max_token_bytes(ctx.tokenizer) * _NORMALIZER_MARGIN
 
     def prepare(self, job: Job) -> None:
@@ -65,6 +68,9 @@ class Template(Stage):
                 job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
             boundary = self._last_message_boundary(job)
             job.checkpoints = (boundary,) if boundary else ()
+            if "enable_thinking" in job.template_kwargs and not self.has_thinking_switch:
+                log.info("thinking_switch_ignored", request_id=job.request_id,
+                         reason="the chat template has no enable_thinking switch")
             log.debug("prompt_rendered", request_id=job.request_id, prompt=job.prompt_text,
                       num_tokens=len(job.prompt_ids), num_images=len(job.images))
         elif isinstance(job.prompt, str):
