@@ -134,3 +134,35 @@ def test_bad_images_are_400s_that_name_the_part(tiny_vlm, tiny_model_dir, tmp_pa
         messages = [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "hi"}, *user_with_images("", 1)["content"]]}]
         response = client.post("/v1/chat/completions", json=chat_body(messages))
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages[1].content[1]"
+
+
+def test_anthropic_and_responses_images_answer_as_the_chat_route_does(tiny_vlm, tmp_path):
+    """An Anthropic base64 ``image`` block and a Responses ``input_image`` reach the vision model as the chat
+    route's image part does: the same prompt tokens and the same greedy answer."""
+    import base64
+
+    from tests.vision_helpers import data_uri, png
+
+    image = png(3)
+    with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"))) as (client, _):
+        seen = chat(client, [user_with_images("Describe it.", 3)])
+        anthropic = client.post("/v1/messages", json={
+            "model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(image).decode()}},
+                {"type": "text", "text": "Describe it."}]}]})
+        assert anthropic.status_code == 200, anthropic.text
+        message = anthropic.json()
+        assert message["content"][0]["text"] == seen["choices"][0]["message"]["content"]
+        usage = message["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == seen["usage"]["prompt_tokens"]
+        responses = client.post("/v1/responses", json={
+            "model": "tiny", "max_output_tokens": 8, "temperature": 0, "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": data_uri(image)},
+                {"type": "input_text", "text": "Describe it."}]}]})
+        assert responses.status_code == 200, responses.text
+        body = responses.json()
+        text = "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                       for part in item["content"])
+        assert text == seen["choices"][0]["message"]["content"].strip()
+        assert body["usage"]["input_tokens"] == seen["usage"]["prompt_tokens"]
