@@ -173,6 +173,7 @@ class Daemon:
 
     def require_ready(self) -> None:
         """For generation endpoints: raise ``NotReady`` (503 with ``Retry-After``) unless serving."""
+        self._notice_engine_failure()
         if self.state == "ready":
             return
         if self.state == "failed":
@@ -182,12 +183,20 @@ class Daemon:
             raise NotReady("the server is shutting down; retry shortly", retry_after=remaining + self._restart_s())
         raise NotReady("the model is still loading; retry when GET /health returns 200", retry_after=5.0)
 
+    def _notice_engine_failure(self) -> None:
+        """The engine records why it ended before it tells anyone (its requests, then ``on_failure``): a client
+        that saw its request fail may ask ``/health`` before ``on_failure`` has run, and must hear the same."""
+        failure = getattr(self.engine, "failure", None) if self.state == "ready" else None
+        if failure is not None:
+            self.state, self.error = "failed", f"the engine stopped: {failure}"
+
     def _restart_s(self) -> float:
         """How long a restarted daemon takes to serve again: this one's load time, when known."""
         return self.load_s if self.load_s is not None else 5.0
 
     def health(self) -> tuple[int, dict[str, Any], float | None]:
         """``/health``: (status code, body, seconds for ``Retry-After``); 200 only while serving."""
+        self._notice_engine_failure()
         body: dict[str, Any] = {"status": self.state, "model": self.name}
         if self.error:
             body["error"] = self.error
