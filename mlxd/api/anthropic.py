@@ -33,7 +33,7 @@ from mlxd.api.anthropic_schemas import (
 )
 from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
-from mlxd.api.openai import EventStream
+from mlxd.api.output import EventStream
 from mlxd.api.schemas import ErrorBody
 from mlxd.daemon import Daemon
 from mlxd.errors import AuthenticationError, MlxdError, PipelineError

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
-from litestar.response import Stream
 
 from mlxd.api import jobs, respond
 from mlxd.api import openai_render as render
 from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
+from mlxd.api.output import EventStream
 from mlxd.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -25,20 +23,6 @@ from mlxd.api.schemas import (
 )
 from mlxd.api.validate import check_against_model
 from mlxd.daemon import Daemon
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class EventStream(Stream):
-    """An SSE response. Litestar lets a handler's inferred media type (JSON here) override the response's
-    own, so this one insists on ``text/event-stream``."""
-
-    def __init__(self, frames: AsyncIterator[bytes]) -> None:
-        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-
-    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["media_type"] = "text/event-stream"
-        return super().to_asgi_response(*args, **kwargs)
 
 
 class OpenAIController(Controller):

@@ -3,10 +3,12 @@ implements, and :class:`Output`, a whole response gathered from its typed events
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+from litestar.response import Stream
 
 from mlxd.errors import MlxdError
 from mlxd.pipeline.events import (
@@ -28,6 +30,21 @@ Frame = tuple[str | None, msgspec.Struct]
 def sse(payload: msgspec.Struct, event: str | None = None) -> bytes:
     data = b"data: " + ENCODER.encode(payload) + b"\n\n"
     return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(Stream):
+    """An SSE response. Litestar lets a handler's inferred media type (JSON here) override the response's
+    own, so this one insists on ``text/event-stream``."""
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
 
 
 class Renderer(Protocol):

@@ -19,7 +19,7 @@ from litestar.params import JSONBody
 from mlxd.api import respond
 from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
-from mlxd.api.openai import EventStream
+from mlxd.api.output import EventStream
 from mlxd.api.responses_jobs import responses_job
 from mlxd.api.responses_render import ResponsesRenderer, replay
 from mlxd.api.responses_schemas import ResponseObject, ResponsesRequest

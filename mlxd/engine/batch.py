@@ -32,6 +32,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
+from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
 
 # mx.random.seed takes an unsigned 64-bit integer.
@@ -173,32 +174,6 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start
     capture_logprobs([row], raw, first)
     mx.async_eval(first)
     return first
-
-
-def read_logprobs(arrays: tuple[mx.array, mx.array, mx.array]) -> tuple[float, list[tuple[int, float]]]:
-    """What :func:`capture_logprobs` kept for one row, as numbers: the chosen token's log-probability and the top
-    alternatives, most likely first."""
-    chosen, top_ids, top_values = arrays
-    return chosen.item(), sorted(zip(top_ids.tolist(), top_values.tolist(), strict=True), key=lambda t: -t[1])
-
-
-def capture_logprobs(rows: list[Row], raw: mx.array, tokens: mx.array) -> None:
-    """Keep, lazily, the log-probabilities of the sampled ``tokens`` under the raw logits (before penalties, bias,
-    constraints and temperature: what vLLM reports), with each asking row's top alternatives. Rows that did not
-    ask cost nothing; when none asked, nothing is computed."""
-    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
-    if not wanted:
-        return
-    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
-    k = max(rows[i].num_logprobs for i in wanted)
-    if k:
-        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
-    for i in wanted:
-        row, n = rows[i], rows[i].num_logprobs
-        ids, values = (top_ids[i, :n], top_values[i, :n]) if n else (mx.array([], mx.int32), mx.array([]))
-        row.pending_logprobs = (chosen[i], ids, values)
 
 
 # Cache types whose batched form can be left-padded before a first forward pass.
