@@ -41,8 +41,8 @@ class Daemon:
     """
 
     def __init__(self, config: DaemonConfig, pipeline: Pipeline, base_dir: Path | None = None, *,
-                 make_engine: Callable[[Any, Any], Any] | None = None) -> None:
-        """``make_engine(engine_config, model)`` builds the engine (``mlxd.engine.factory.make_engine`` by
+                 make_engine: Callable[[Any, Any, Any], Any] | None = None) -> None:
+        """``make_engine(engine_config, model, drafter)`` builds the engine (``mlxd.engine.factory.make_engine`` by
         default; tests pass engines around test doubles)."""
         self.config = config
         self._make_engine = make_engine
@@ -97,6 +97,7 @@ class Daemon:
 
     def load(self) -> None:
         """Load the model, start and warm the engine, warm the pipeline's stages (blocking)."""
+        from mlxd.engine.drafters.registry import make_drafter
         from mlxd.engine.factory import make_engine as default_make_engine
         from mlxd.models.load import load, platform_summary
         from mlxd.runtime.blas import mapped_blas, reference_blas_warning
@@ -104,7 +105,8 @@ class Daemon:
         started = time.monotonic()
         loaded = load(self.config.model, self.base_dir)
         tokenizer = loaded.tokenizer
-        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model)
+        drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
+        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
         self.engine.on_failure = self._engine_failed
         self.engine.start()
         self.model_info = ModelInfo(

@@ -45,7 +45,8 @@ def main(config_path: str) -> int:
     config, pipeline = load_everything(path)
     configure_logging(config.logging.level, config.logging.format)
     daemon = Daemon(config, pipeline, base_dir=path.parent,
-                    make_engine=lambda engine_config, model: make_engine(engine_config, KillingModel(model)))
+                    make_engine=lambda engine_config, model, drafter: make_engine(engine_config, KillingModel(model),
+                                                                              drafter))
     return run_server(create_app(daemon), daemon)
 
 

@@ -54,8 +54,8 @@ def main(config_path: str, script: str) -> int:
     configure_logging(config.logging.level, config.logging.format)
     tokenizer = load_tokenizer(Path(config.model.source))
 
-    def scripted_engine(engine_config: Any, model: Any) -> Any:
-        return make_engine(engine_config, ScriptedModel(model, tokenizer, Path(script)))
+    def scripted_engine(engine_config: Any, model: Any, drafter: Any) -> Any:
+        return make_engine(engine_config, ScriptedModel(model, tokenizer, Path(script)), drafter)
 
     daemon = Daemon(config, pipeline, base_dir=path.parent, make_engine=scripted_engine)
     return run_server(create_app(daemon), daemon)

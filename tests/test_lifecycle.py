@@ -294,7 +294,8 @@ def test_health_reports_a_dead_engine(tiny_model_dir, tmp_path):
     config, pipeline = load_everything(write_config(tmp_path, tiny_model_dir))
     reasons: list[str] = []
     daemon = Daemon(config, pipeline,
-                    make_engine=lambda engine_config, model: make_engine(engine_config, KillingModel(model)))
+                    make_engine=lambda engine_config, model, drafter: make_engine(engine_config, KillingModel(model),
+                                                                              drafter))
     daemon.on_fatal = reasons.append
     with TestClient(create_app(daemon), timeout=60) as client:
         daemon.wait_loaded(120)

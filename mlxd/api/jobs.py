@@ -76,6 +76,7 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=_response_format(body),
         num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        speculative=body.speculative,
     )
 
 
@@ -138,4 +139,5 @@ def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaul
         sampling=_sampling(body, defaults),
         stop=_stops(body.stop),
         num_logprobs=body.logprobs,
+        speculative=body.speculative,
     )

@@ -26,6 +26,7 @@ from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
 from mlxd.api.output import Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
+from mlxd.engine.base import Plain
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
 from mlxd.pipeline.events import Done, KeepAlive, TokenLogprobs
@@ -97,11 +98,21 @@ class Trace:
             ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
             total_s=round(now - self.started, 4),
             finish_reason=done.finish_reason if done else None,
+            decode=_decode_fields(done.decode if done else None, self.job),
             max_tokens_clamped_from=self.job.max_tokens_clamped_from,
             outcome=self.outcome,
         )
         if self.on_end is not None:
             self.on_end(self)
+
+
+def _decode_fields(decode: dict[str, Any] | None, job: Job) -> dict[str, Any] | None:
+    """The log line's ``decode``: the engine's account, else the route's choice (a request that ended early)."""
+    if decode is not None:
+        return decode
+    mode = job.decode
+    return {"mode": "plain", "reason": mode.reason} if isinstance(mode, Plain) else {"mode": "speculative",
+                                                                                       "drafter": mode.drafter}
 
 
 async def start(pipeline: Pipeline, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,

@@ -125,6 +125,9 @@ class SamplingFields(Strict, kw_only=True):
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[TokenIdKey, Bias] | None = None
+    # mlxd: false decodes this request without drafted tokens; true asks for speculation where the server's
+    # default is off. Ignored (plain decoding) when the server has no drafter: the reason is in /v1/status.
+    speculative: bool | None = None
     # NO-OP fields: accepted, no effect.
     user: str | None = None
     store: bool | None = None

@@ -58,6 +58,29 @@ class ModelConfig(Base):
     sampling: SamplingDefaults = SamplingDefaults()
 
 
+class SpeculativeConfig(Base):
+    """Speculative decoding (``[engine.speculative]``): rows draft tokens and verify them in the batched step."""
+
+    # What proposes the tokens: "none" (off), "prompt_lookup" (n-grams of the prompt and output so far),
+    # "draft_model" (a small mlx-lm model, `draft_model`), "mtp" (the checkpoint's multi-token-prediction heads).
+    drafter: Literal["none", "prompt_lookup", "draft_model", "mtp"] = "none"
+    # Tokens drafted per step (the most, when `adaptive`).
+    k: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # Draft length follows each row's acceptance, and a row whose acceptance falls under `min_acceptance` backs off
+    # to plain steps for a while; false: always draft `k` (for measuring).
+    adaptive: bool = True
+    min_acceptance: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    # Positions one step may verify (rows x (1 + drafts)); drafts shorten to fit, down to none when the batch is full.
+    max_step_tokens: Annotated[int, msgspec.Meta(ge=2)] = 64
+    # Requests speculate unless their body says `"speculative": false`; false: only those that say true.
+    default: bool = True
+    # prompt_lookup: the longest and shortest n-gram matched against the earlier tokens.
+    ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 3
+    ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    # draft_model: an mlx-lm model folder (relative to the config's folder) sharing the served model's tokenizer.
+    draft_model: str = ""
+
+
 class EngineConfig(Base):
     type: Literal["batched"] = "batched"
     # Requests decoding together in one batch; more wait in the queue.
@@ -87,6 +110,7 @@ class EngineConfig(Base):
     # weights and the prefix cache (which gives way first). 0: the device's recommended working set on Metal/CUDA,
     # a share of RAM on the CPU.
     memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 class VisionConfig(Base):

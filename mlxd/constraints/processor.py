@@ -72,7 +72,7 @@ class GrammarProcessor:
     are ignored (a pipelined engine may run one more step). ``ConstraintError`` when a token breaks the grammar.
     """
 
-    __slots__ = ("_matcher", "_layout", "_bitmask", "_words", "_bytes", "_seen", "_done")
+    __slots__ = ("_matcher", "_layout", "_bitmask", "_words", "_bytes", "_seen", "_start", "_done", "_done_at")
 
     def __init__(self, compiled: CompiledGrammar, layout: MaskLayout) -> None:
         self._matcher: LLMatcher = compiled.matcher.deep_copy()
@@ -81,7 +81,9 @@ class GrammarProcessor:
         self._words = self._bitmask.view(np.uint32)[0]
         self._bytes = self._bitmask.view(np.uint8)[0]
         self._seen: int | None = None
+        self._start = 0  # the history's length at the first call: the prompt
         self._done = False
+        self._done_at = 0  # the end of sequence's place in the history, once done
 
     @property
     def done(self) -> bool:
@@ -96,19 +98,42 @@ class GrammarProcessor:
         if seen is not None and count < seen:
             raise ConstraintError(f"the token history shrank from {seen} to {count} tokens")
         self._seen = count
-        if seen is not None and count > seen and not self._done:
-            self._consume(tokens[seen:].tolist())
+        if seen is None:
+            self._start = count
+        elif count > seen and not self._done:
+            self._consume(tokens[seen:].tolist(), seen)
         self._fill_mask()
         allowed = np.unpackbits(self._bytes, count=self._layout.width, bitorder="little").view(np.bool_)
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
-    def _consume(self, new: list[int]) -> None:
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, the row's next ones (the first is the sampled token not fed to this processor
+        yet), the grammar allows in a row; an end of sequence ends the count (speculative drafts stop before it)."""
+        if self._done:
+            return 0
+        eos = next((i for i, token in enumerate(tokens) if token in self._layout.eos_ids), len(tokens))
+        return self._matcher.validate_tokens(tokens[:eos]) if eos else 0
+
+    def rollback(self, length: int) -> None:
+        """The row's history was cut back to ``length`` tokens (speculative drafts the model did not keep): the
+        grammar forgets the tokens it consumed past that."""
+        if self._seen is None or length >= self._seen:
+            return
+        consumed_end = self._done_at if self._done else self._seen
+        if consumed_end > max(length, self._start):
+            self._matcher.rollback(consumed_end - max(length, self._start))
+        if self._done and length <= self._done_at:
+            self._done = False
+        self._seen = length
+
+    def _consume(self, new: list[int], at: int) -> None:
+        """Feed the matcher ``new``, which starts at history position ``at``."""
         matcher = self._matcher
-        for token in new:
+        for i, token in enumerate(new):
             if token in self._layout.eos_ids:
                 if not matcher.is_accepting():
                     raise ConstraintError(f"end of sequence (token {token}) before the grammar is complete")
-                self._done = True
+                self._done, self._done_at = True, at + i
                 return
             if not matcher.consume_token(token):
                 raise ConstraintError(f"token {token} ({self._layout.tokenizer.dbg_tokens([token])}) breaks the "

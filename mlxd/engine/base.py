@@ -41,6 +41,27 @@ class Media(msgspec.Struct, frozen=True, kw_only=True):
     inputs: dict[str, Any]
 
 
+class Plain(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode one token per forward pass. ``reason``: why the request is not speculative (shown in its log line
+    and ``/v1/status``)."""
+
+    reason: str = "no drafter configured"
+
+
+class Speculative(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode with drafted tokens: each step the row feeds its last token plus up to ``k`` drafted ones and keeps
+    the longest prefix the model agrees with (greedy), or what rejection sampling accepts (temperature > 0).
+    ``adaptive``: the draft length follows the row's recent acceptance, and the row backs off to plain steps when
+    drafting does not pay."""
+
+    drafter: str
+    k: int
+    adaptive: bool = True
+
+
+DecodeMode = Plain | Speculative
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """What a pipeline hands the engine: token ids in, at most ``max_tokens`` token ids out."""
 
@@ -66,6 +87,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # Snapshot the prompt's state into the prefix cache once it is processed: requests with the same prompt
     # submitted next (the other choices of an ``n`` > 1 request) start from it.
     keep_prompt: bool = False
+    # How the request decodes: set by the ``route`` stage.
+    decode: DecodeMode = Plain()
 
 
 class Token(msgspec.Struct, frozen=True):
@@ -86,6 +109,8 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     # How the prefix cache served the prompt: miss, exact, prefix, longer, diverged.
     cache_hit: str = "miss"
+    # How it decoded: {"mode": "plain", "reason": ...}, or a speculative request's drafter and counters.
+    decode: dict[str, Any] | None = None
 
 
 class Failed(msgspec.Struct, frozen=True):

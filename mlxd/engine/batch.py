@@ -34,6 +34,8 @@ from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
+from mlxd.engine.spec_step import draft, speculative_step
+from mlxd.engine.speculation import SpecState
 
 # mx.random.seed takes an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
@@ -44,6 +46,7 @@ class Row:
     """One request's sampling state: its sampler, logits processors and (when they need it) token history."""
 
     request_id: str
+    params: SamplingParams
     sampler: Any
     sampler_key: tuple
     processors: list
@@ -55,6 +58,8 @@ class Row:
     num_logprobs: int | None = None
     # Those of the token sampled last (lazy arrays, see :func:`capture_logprobs`), until the step that feeds it in.
     pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
+    # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculation); None: plain.
+    spec: SpecState | None = None
 
     @property
     def rope_delta(self) -> int:
@@ -82,6 +87,7 @@ class Row:
         ``extra_processors`` (a request's constraints) run after the penalties and bias."""
         return cls(
             request_id=request_id,
+            params=params,
             sampler=make_sampler(params),
             sampler_key=sampler_group(params, request_id),
             processors=make_request_processors(params) + list(extra_processors or ()),
@@ -98,6 +104,15 @@ class Row:
         for processor in self.processors:
             logits = processor(self.history, logits)
         return logits
+
+    def rollback_history(self, count: int) -> None:
+        """Forget the last ``count`` tokens of the history (drafts the model did not keep); processors that keep
+        state of their own (a grammar) roll back with it."""
+        self.history = self.history[: self.history.size - count]
+        for processor in self.processors:
+            rollback = getattr(processor, "rollback", None)
+            if rollback is not None:
+                rollback(self.history.size)
 
 
 class Refused(ValueError):
@@ -233,8 +248,12 @@ class DecodeBatch:
         # placeholder. The engine ends them and empties this.
         self.errors: dict[str, Exception] = {}
         # The log-probabilities of the tokens the last step returned, for the rows that asked (request id →
-        # (logprob, top alternatives)).
-        self.logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        # [(logprob, top alternatives)], one per token returned).
+        self.logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
+        # Whether any row is speculative (then each step first asks the drafters), and the left padding that
+        # ragged speculative steps have added since the batched cache was last compacted.
+        self.speculative = False
+        self._ragged = 0
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
         self._rope_deltas: mx.array | None = None
@@ -249,17 +268,17 @@ class DecodeBatch:
     def add(self, row: Row, first_token: mx.array) -> None:
         """Join a row whose prompt is processed; ``first_token`` is what :func:`process_prompt` sampled."""
         cache, row.cache = row.cache, []
-        self._rope_deltas = None
         if not self.rows:
             self.cache, self.inputs, self.rows = cache, first_token.reshape(1), [row]
+            self._rows_changed()
             return
         self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
 
     def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
         """Join rows processed together by :func:`process_prompts` (``cache`` in batched form)."""
-        self._rope_deltas = None
         if not self.rows and len(rows) == 1:
             self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
+            self._rows_changed()
             return
         if not self.rows:
             self.cache, self.inputs = cache, first_tokens
@@ -270,6 +289,11 @@ class DecodeBatch:
                 mine.extend(theirs)
             self.inputs = mx.concatenate([self.inputs, first_tokens])
         self.rows.extend(rows)
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        self._rope_deltas = None
+        self.speculative = any(row.spec is not None for row in self.rows)
 
     def row_cache(self, request_id: str) -> list[Any]:
         """One row's cache layers at batch size 1 (the batch's own cache when it is the only row, else a copy)."""
@@ -280,14 +304,18 @@ class DecodeBatch:
 
     def clear(self) -> None:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
-        self.rows, self.cache, self.inputs, self.errors, self._rope_deltas = [], [], None, {}, None
+        _release_drafts(self.rows)
+        self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
+        self._rows_changed()
 
     def remove(self, request_ids: set[str]) -> None:
         """Drop rows (finished or cancelled); their cache memory is released with them."""
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
         if len(keep) == len(self.rows):
             return
-        self.rows, self._rope_deltas = [self.rows[i] for i in keep], None
+        _release_drafts([row for row in self.rows if row.request_id in request_ids])
+        self.rows = [self.rows[i] for i in keep]
+        self._rows_changed()
         if not keep:
             self.cache, self.inputs = [], None
             return
@@ -299,19 +327,38 @@ class DecodeBatch:
                 c.filter(mx.array(keep))
         self.inputs = self.inputs[mx.array(keep)]
 
-    def step(self) -> list[int]:
-        """Dispatch the next forward pass, then return the tokens fed into it (one per row, in row order).
+    def step(self) -> list[list[int]]:
+        """Advance every row; return each row's emitted tokens, in row order.
 
-        Pipelined like ``generate_step``: the returned tokens were sampled by the previous step (or by prompt
-        processing), and evaluating them overlaps with the computation just dispatched.
+        Plain rows emit one token a step: the one fed into the forward pass just dispatched, sampled by the previous
+        step (or by prompt processing), so that evaluating it overlaps with the computation (pipelined like
+        ``generate_step``). When a speculative row has drafted tokens, the step verifies them instead
+        (:func:`mlxd.engine.spec_step.speculative_step`): each row emits its fed token and the drafts it kept.
 
         Raises when the shared work fails (the forward pass, evaluating the returned tokens): every row is lost.
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
+        if self.speculative:
+            fed = self.inputs.tolist()
+            drafts = draft(self, fed)
+            if any(drafts):
+                emitted = speculative_step(self, fed, drafts)
+                self._compact_if_ragged(emitted)
+                return emitted
+        tokens = self._plain_step()
+        if self.speculative:
+            for row, token in zip(self.rows, tokens, strict=True):
+                if row.spec is not None:
+                    row.spec.tokens.append(token)
+                    row.spec.record(0, 0, 1)
+        return [[token] for token in tokens]
+
+    def _plain_step(self) -> list[int]:
+        """One token per row, pipelined (see :meth:`step`); returns the tokens fed in."""
         inputs = self.inputs
         # The log-probabilities of the tokens fed in now, captured when they were sampled.
         previous = {row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
-        raw = self.model(inputs[:, None], cache=self.cache, **self._position_inputs())[:, -1, :]
+        raw = self.model(inputs[:, None], cache=self.cache, **self.position_inputs())[:, -1, :]
         logits = self._process(inputs, raw)
         if len(self.rows) == 1:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
@@ -324,10 +371,25 @@ class DecodeBatch:
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self._sample_each(logprobs)
             capture_logprobs(self.rows, raw, self.inputs)
-        self.logprobs = {request_id: read_logprobs(arrays) for request_id, arrays in previous.items()}
+        self.logprobs = {request_id: [read_logprobs(arrays)] for request_id, arrays in previous.items()}
         return inputs.tolist()
 
-    def _position_inputs(self) -> dict[str, mx.array]:
+    def _compact_if_ragged(self, emitted: list[list[int]]) -> None:
+        """Rows that kept fewer positions than others in a speculative step leave left padding behind (their
+        rejected tail rolled to the front). Once that waste averages 64 positions a row, rebuild the batched cache
+        with each row's padding at its minimum (one copy of the cache)."""
+        if len(self.rows) < 2:
+            return
+        longest = max(len(e) for e in emitted)
+        self._ragged += sum(longest - len(e) for e in emitted)
+        if self._ragged < 64 * len(self.rows):
+            return
+        self._ragged = 0
+        rows = [[layer.extract(i) for i in range(len(self.rows))] for layer in self.cache]
+        self.cache = [layer[0].merge(layer) for layer in rows]
+
+    def position_inputs(self, width: int = 1) -> dict[str, mx.array]:
+        """Per-row position inputs of the next forward pass (``width`` positions a row): multimodal RoPE offsets."""
         if not self.uses_rope_deltas:
             return {}
         if self._rope_deltas is None:
@@ -361,6 +423,12 @@ class DecodeBatch:
                 self.errors[row.request_id] = e
                 rows.append(logits[i : i + 1])
         return mx.concatenate(rows, axis=0)
+
+
+def _release_drafts(rows: list[Row]) -> None:
+    for row in rows:
+        if row.spec is not None:
+            row.spec.drafter.release(row.request_id)
 
 
 def warm_up_shapes(model: Any, config: EngineConfig) -> None:

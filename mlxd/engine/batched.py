@@ -26,7 +26,17 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, RequestHandle, SamplingParams, Token
+from mlxd.engine.base import (
+    EngineRequest,
+    Failed,
+    Finished,
+    Plain,
+    Progress,
+    RequestHandle,
+    SamplingParams,
+    Speculative,
+    Token,
+)
 from mlxd.engine.batch import (
     DecodeBatch,
     Refused,
@@ -40,11 +50,14 @@ from mlxd.engine.batch import (
     reset_random_state,
     warm_up_shapes,
 )
+from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import EngineFront, Submitted
 from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.scheduler import prompts_to_batch
+from mlxd.engine.spec_step import check_drafter
+from mlxd.engine.speculation import SpecState
 from mlxd.engine.vision import VisionPrefill, prompt_key
 from mlxd.log import get_logger
 
@@ -64,10 +77,13 @@ class BatchedEngine(EngineFront):
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
 
     def __init__(self, model: Any, config: EngineConfig, *,
-                 make_sampler: Callable[[SamplingParams], Any] = make_request_sampler) -> None:
-        """``make_sampler`` builds each request's sampler (mlx-lm's by default)."""
+                 make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
+                 drafter: Drafter | None = None) -> None:
+        """``make_sampler`` builds each request's sampler (mlx-lm's by default); ``drafter`` proposes tokens for
+        speculative requests (:mod:`mlxd.engine.drafters`), None: every request decodes plain."""
         super().__init__(config)
         self.model = model
+        self.drafter = drafter
         self._make_sampler = make_sampler
         self.vocab_size = 0  # the model's logits width, learned at warm-up: token ids must be below it
         self.batch = DecodeBatch(model)
@@ -120,6 +136,8 @@ class BatchedEngine(EngineFront):
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
                  kv_fixed_bytes=self.memory.kv.num_fixed_bytes)
         self.vocab_size = logits_width(self.model)
+        if self.drafter is not None:
+            check_drafter(self.drafter, self.model, self.config, self.vocab_size)
         warm_up_shapes(self.model, self.config)
 
     def _apply_inbox(self, block: bool) -> bool:
@@ -149,6 +167,9 @@ class BatchedEngine(EngineFront):
             if request_id not in self._pending:
                 return  # ended before it got here (abort_all)
         self._requests[request_id] = submitted
+        mode = submitted.request.decode
+        submitted.state.decode = ({"mode": "plain", "reason": mode.reason} if isinstance(mode, Plain)
+                                  else {"mode": "speculative", "drafter": mode.drafter, "k": mode.k})
         self.totals["num_requests"] += 1
         self.totals["num_prompt_tokens"] += len(submitted.request.prompt)
         try:
@@ -271,6 +292,7 @@ class BatchedEngine(EngineFront):
         row = Row.for_request(request.request_id, params, self.model, self.config.max_kv_size, cache,
                               make_sampler=self._make_sampler, extra_processors=constraints,
                               num_logprobs=request.num_logprobs)
+        row.spec = self._spec_state(request)
         if request.media is not None:
             if self.vision is None:
                 raise Refused("this model does not accept images")
@@ -278,7 +300,21 @@ class BatchedEngine(EngineFront):
         self._prefilling[request.request_id] = row
         return row
 
-    def _decode(self) -> list[int]:
+    def _spec_state(self, request: EngineRequest) -> SpecState | None:
+        """A speculative request's row state; None for plain ones (their reason is the route's)."""
+        mode = request.decode
+        if not isinstance(mode, Speculative) or self.drafter is None:
+            return None
+        if mode.drafter != self.drafter.name:
+            raise Refused(f"this server drafts with {self.drafter.name!r}, not {mode.drafter!r}")
+        settings = self.config.speculative
+        spec = SpecState.for_request(mode, self.drafter, request.prompt, request.max_tokens,
+                                     min_acceptance=settings.min_acceptance,
+                                     max_step_tokens=settings.max_step_tokens)
+        self._requests[request.request_id].state.decode = spec.summary
+        return spec
+
+    def _decode(self) -> list[list[int]]:
         if not len(self.batch):
             return []
         try:
@@ -293,10 +329,13 @@ class BatchedEngine(EngineFront):
     def _post_process(self, tokens: list[int]) -> None:
         """Emit each row's token; finish the rows that hit a stop token or their ``max_tokens``."""
         finished: dict[str, str] = {}
-        for request_id, token in zip(self.batch.request_ids, tokens, strict=True):
-            reason = self._emit(self._requests[request_id], token, self.batch.logprobs.get(request_id))
+        for row, emitted in zip(self.batch.rows, tokens, strict=True):
+            submitted = self._requests[row.request_id]
+            reason = self._emit_all(submitted, emitted, self.batch.logprobs.get(row.request_id))
             if reason is not None:
-                finished[request_id] = reason
+                finished[row.request_id] = reason
+            elif row.spec is not None:
+                submitted.state.num_feeding = 1 + row.spec.k
         if finished:
             for request_id in finished:
                 self._keep_decoded(request_id)
@@ -307,6 +346,16 @@ class BatchedEngine(EngineFront):
             errors, self.batch.errors = self.batch.errors, {}
             for request_id, error in errors.items():
                 self._fail(request_id, "sample", error)
+
+    def _emit_all(self, submitted: Submitted, tokens: list[int], logprobs: list | None) -> str | None:
+        """Emit a row's tokens of this step in order, up to the one that finishes it; the reason, if one did.
+        Tokens after it are still in the row's cache: they join ``generated`` (what the cache holds), unsent."""
+        for i, token in enumerate(tokens):
+            reason = self._emit(submitted, token, logprobs[i] if logprobs is not None else None)
+            if reason is not None:
+                submitted.generated.extend(tokens[i + 1 :])
+                return reason
+        return None
 
     def _emit(self, submitted: Submitted, token: int,
               logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> str | None:
@@ -325,11 +374,24 @@ class BatchedEngine(EngineFront):
         submitted = self._release(request_id)
         if submitted is not None:
             state = submitted.state
+            decode = self._decode_summary(submitted)
             self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt),
-                                           num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit))
+                                           num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit,
+                                           decode=decode))
             if reason != "cancelled" and submitted.started_at is not None:
                 duration, mean = time.monotonic() - submitted.started_at, self._mean_duration_s
                 self._mean_duration_s = duration if mean is None else 0.8 * mean + 0.2 * duration
+
+    def _decode_summary(self, submitted: Submitted) -> dict[str, Any]:
+        """How the request decoded (for its log line); a speculative one's counters join the totals."""
+        decode = submitted.state.decode
+        if not callable(decode):
+            return decode
+        summary = decode()
+        for key in ("drafted", "accepted", "steps", "emitted"):
+            self.totals[f"speculative_{key}"] += summary.get(key, 0)
+        self.totals["speculative_drafter_ms"] += summary["drafter_ms"]
+        return summary
 
     def _keep_decoded(self, request_id: str) -> None:
         """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns."""

@@ -69,10 +69,25 @@ class EngineFront:
             "num_cancelled": 0, "num_failed": 0, "num_steps": 0,
             # Ended with 503: by abort_all/stop or a dead engine; waited past max_queue_wait_s.
             "num_aborted": 0, "num_timed_out": 0,
+            # Speculative requests, counted when they end: tokens drafted and kept, decode steps and tokens emitted,
+            # time in the drafter.
+            "speculative_drafted": 0, "speculative_accepted": 0, "speculative_steps": 0, "speculative_emitted": 0,
+            "speculative_drafter_ms": 0,
         }
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    def _speculative_status(self) -> dict[str, Any]:
+        """The drafter, and what speculative requests that ended got from it."""
+        totals, drafter = self.totals, getattr(self, "drafter", None)
+        drafted, steps = totals["speculative_drafted"], totals["speculative_steps"]
+        return {
+            "drafter": drafter.name if drafter is not None else None,
+            "acceptance": round(totals["speculative_accepted"] / drafted, 3) if drafted else None,
+            "tokens_per_step": round(totals["speculative_emitted"] / steps, 2) if steps else None,
+            "drafter_ms": round(totals["speculative_drafter_ms"], 1),
+        }
 
     def start(self) -> None:
         self._thread.start()
@@ -158,6 +173,7 @@ class EngineFront:
                 "step_token_budget": self.config.step_token_budget,
             },
             "totals": dict(self.totals),
+            "speculative": self._speculative_status(),
             "memory": {
                 "active_bytes": mx.get_active_memory(),
                 "peak_bytes": mx.get_peak_memory(),

@@ -32,3 +32,15 @@ def capture_logprobs(rows: list[Any], raw: mx.array, tokens: mx.array) -> None:
         row, n = rows[i], rows[i].num_logprobs
         ids, values = (top_ids[i, :n], top_values[i, :n]) if n else (mx.array([], mx.int32), mx.array([]))
         row.pending_logprobs = (chosen[i], ids, values)
+
+
+def block_logprobs(raw: mx.array, tokens: list[int], row: Any) -> list[tuple[float, list[tuple[int, float]]]]:
+    """A speculative row's emitted tokens after its fed one. ``tokens[:-1]`` (the kept drafts) are read now; the
+    last (the row's next input) stays lazy in ``row.pending_logprobs``, as after a plain step. ``raw``: the raw
+    logits at the positions that produced ``tokens``, ``(len(tokens), V)``."""
+    out = []
+    for j, token in enumerate(tokens):
+        capture_logprobs([row], raw[j : j + 1], mx.array([token], dtype=mx.uint32))
+        if j < len(tokens) - 1:
+            out.append(read_logprobs(row.pending_logprobs))
+    return out

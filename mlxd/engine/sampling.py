@@ -22,26 +22,34 @@ def make_request_sampler(params: SamplingParams):
     return make_seeded_sampler(params, mx.random.key(params.seed))
 
 
-def make_seeded_sampler(params: SamplingParams, key: mx.array) -> Callable[[mx.array], mx.array]:
+def make_seeded_sampler(params: SamplingParams, key: mx.array) -> SeededSampler:
     """mlx-lm's sampling chain (top-p, min-p, top-k, then a categorical draw at the temperature) with a random key
     of the row's own, split at each draw."""
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    state = {"key": key}
-    scale = 1.0 / params.temperature
+    return SeededSampler(params, key)
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        for apply in filters:
+
+class SeededSampler:
+    """A sampler with its own random key: :meth:`next_key` splits it (each draw, speculative verification too)."""
+
+    def __init__(self, params: SamplingParams, key: mx.array) -> None:
+        self.filters: list[Callable[[mx.array], mx.array]] = []
+        if 0 < params.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p))
+        if params.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, params.top_k))
+        self.key = key
+        self.scale = 1.0 / params.temperature
+
+    def next_key(self) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return draw
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for apply in self.filters:
             logprobs = apply(logprobs)
-        state["key"], draw = mx.random.split(state["key"])
-        return mx.random.categorical(logprobs * scale, key=draw)
-
-    return sampler
+        return mx.random.categorical(logprobs * self.scale, key=self.next_key())
 
 
 def sampler_group(params: SamplingParams, request_id: str) -> tuple:

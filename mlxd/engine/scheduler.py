@@ -47,6 +47,10 @@ class SequenceState:
     num_cached_tokens: int = 0
     route: str = "text"
     prompt_text: str = ""  # the rendered prompt, shown (clipped) in /v1/status
+    # Tokens it feeds a decode step: 1, or 1 + its drafts when speculative (what the step token budget counts).
+    num_feeding: int = 1
+    # How it decodes, for /v1/status: {"mode": "plain", "reason": ...} or the speculative row's live counters.
+    decode: Any = None
 
     @property
     def num_prompt_remaining(self) -> int:
@@ -70,6 +74,7 @@ class SequenceState:
             "cache_hit": {"kind": self.cache_hit, "num_tokens": self.num_cached_tokens},
             "num_generated_tokens": self.num_generated,
             "kv_reserved_bytes": self.num_kv_bytes,
+            "decode": self.decode() if callable(self.decode) else self.decode,
             "tokens_per_s": round((self.num_generated - 1) / elapsed, 2) if elapsed > 0 else None,
             "ttft_s": round(first - self.submitted_at, 4) if first is not None else None,
             "age_s": round(now - self.submitted_at, 3),
@@ -92,7 +97,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return sum(s.num_feeding for s in self.decode) + sum(n for _, n in self.prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -181,7 +186,7 @@ class Scheduler:
         slots and budget remain.
         """
         decode = [s for s in self.running if s.phase == "decode"]
-        budget = self.step_token_budget - len(decode)
+        budget = self.step_token_budget - sum(s.num_feeding for s in decode)
         prefill: list[tuple[SequenceState, int]] = []
         started = [s for s in self.running if s.phase == "prefill"]
         while started or self.can_admit():

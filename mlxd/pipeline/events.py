@@ -7,6 +7,8 @@ splits content into :class:`ReasoningDelta` and :class:`ToolCallDelta`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -71,6 +73,8 @@ class Done(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     cache_hit: str = "miss"
     stop_sequence: str | None = None
+    # How the engine decoded it (plain with the reason, or the speculative counters): for the request log line.
+    decode: dict[str, Any] | None = None
 
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta | TokenLogprobs | KeepAlive | Done

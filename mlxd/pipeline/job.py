@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.engine.base import EngineRequest, Media, SamplingParams
+from mlxd.engine.base import DecodeMode, EngineRequest, Media, Plain, SamplingParams
 
 
 @dataclass(slots=True)
@@ -39,6 +39,8 @@ class Job:
     prompt_ids: list[int] = field(default_factory=list)
     checkpoints: tuple[int, ...] = ()
     route: str = ""
+    speculative: bool | None = None  # the body's "speculative": None leaves it to [engine.speculative] default
+    decode: DecodeMode = Plain()  # set by ``route``
     engine_request: EngineRequest | None = None
     # Special tokens that stages downstream of ``detokenize`` need to see (tool-call and channel markers).
     keep_token_ids: frozenset[int] = frozenset()

@@ -112,4 +112,5 @@ def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = No
         num_cached_tokens=finished.num_cached_tokens if finished else 0,
         cache_hit=finished.cache_hit if finished else "miss",
         stop_sequence=stop_sequence,
+        decode=finished.decode if finished else None,
     )

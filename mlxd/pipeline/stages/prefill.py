@@ -57,4 +57,5 @@ class Prefill(Stage):
             route=job.route or "text",
             prompt_text=job.prompt_text,
             num_logprobs=job.num_logprobs,
+            decode=job.decode,
         )

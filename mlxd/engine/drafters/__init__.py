@@ -1,0 +1,1 @@
+"""Drafters: what proposes tokens for a speculative row to verify (:mod:`mlxd.engine.drafters.base`)."""

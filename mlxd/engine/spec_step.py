@@ -1,0 +1,134 @@
+"""The speculative decode step: rows feed their last token plus drafted ones in one batched forward pass.
+
+Each row's block is ``[last token, d1 .. dn]``, right-padded to the longest block of the step (a row that drafts
+nothing feeds one token and padding). The cache records the step as a transaction (mlx-vlm's
+``start_speculative_cache``): after verification each row keeps ``1 + accepted`` positions. Attention caches are
+trimmed (a ragged tail becomes left padding: mlx-lm's ``BatchKVCache.prepare(right_padding=...)`` and
+``finalize``); recurrent layers of mlx-vlm's hybrid models restore the state recorded after the last kept position.
+Rows with logits processors (penalties, bias, a grammar) have them applied position by position, with the history
+each position would have had in plain decoding, then rolled back to what was kept.
+
+Unlike the plain step this one is not pipelined: drafting needs the last token's value, and the next step's input
+depends on how many drafts were kept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.drafters.base import DraftRow
+from mlxd.engine.logprobs import block_logprobs, read_logprobs
+from mlxd.engine.speculation import DraftTimer, num_accepted, verify
+from mlxd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mlxd.engine.batch import DecodeBatch, Row
+
+
+def draft(batch: DecodeBatch, fed: list[int], hidden: Any = None) -> list[list[int]]:
+    """Each row's drafted tokens for this step (none for plain rows and rows that pause), one drafter call per
+    drafter; drafts a grammar would refuse are cut where it refuses."""
+    drafts: list[list[int]] = [[] for _ in batch.rows]
+    asking: dict[Any, list[tuple[int, DraftRow]]] = {}
+    for i, row in enumerate(batch.rows):
+        if row.spec is None:
+            continue
+        k = row.spec.draft_length(len(batch.rows))
+        if k > 0:
+            rows_hidden = hidden[i : i + 1] if hidden is not None else None
+            asking.setdefault(row.spec.drafter, []).append(
+                (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, rows_hidden)))
+    for drafter, entries in asking.items():
+        with DraftTimer([batch.rows[i].spec for i, _ in entries]):
+            proposals = drafter.propose([entry for _, entry in entries])
+        for (i, entry), proposal in zip(entries, proposals, strict=True):
+            drafts[i] = _grammatical(batch.rows[i], fed[i], list(proposal[: entry.k]))
+            if not drafts[i]:
+                batch.rows[i].spec.record_empty()
+                drafter.commit(entry.request_id, 0)
+    return drafts
+
+
+def _grammatical(row: Row, last: int, proposal: list[int]) -> list[int]:
+    """The longest prefix of ``proposal`` that every processor with a grammar allows after ``last``."""
+    for processor in row.processors:
+        valid_prefix = getattr(processor, "valid_prefix", None)
+        if valid_prefix is not None and proposal:
+            proposal = proposal[: max(valid_prefix([last, *proposal]) - 1, 0)]
+    return proposal
+
+
+def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Run one verification pass for every row; return each row's emitted tokens (its fed token, then the drafts
+    it kept). The token after them becomes the row's next input."""
+    rows = batch.rows
+    width = 1 + max(len(d) for d in drafts)
+    blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
+    inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
+    previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}
+    transaction = start_speculative_cache(batch.cache, width)
+    try:
+        raw = batch.model(inputs, cache=batch.cache, **batch.position_inputs(width))
+        checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
+        mx.eval(checks)
+    except BaseException:
+        transaction.abort()
+        raise
+    kept = [num_accepted(accepted.tolist()) for accepted, _ in checks]
+    transaction.commit([1 + a for a in kept])
+    candidates = [candidate.tolist() for _, candidate in checks]
+    batch.inputs = mx.array([c[a] for c, a in zip(candidates, kept, strict=True)], dtype=mx.uint32)
+    emitted = [blocks[i][: 1 + a] for i, a in enumerate(kept)]
+    batch.logprobs = {}
+    for i, row in enumerate(rows):
+        _settle(row, len(blocks[i]) - 1, kept[i], emitted[i])
+        if row.num_logprobs is not None:
+            rest = block_logprobs(raw[i, : kept[i] + 1], [*emitted[i][1:], candidates[i][kept[i]]], row)
+            first = [read_logprobs(previous[row.request_id])] if row.request_id in previous else []
+            batch.logprobs[row.request_id] = first + rest
+    return emitted
+
+
+def _verify_row(row: Row, raw: mx.array, block: list[int]) -> tuple[mx.array, mx.array]:
+    """The row's verification (lazy): processors applied position by position, then :func:`verify`."""
+    logits = raw
+    if row.processors:
+        logits = mx.concatenate([row.process(mx.array(block[j : j + 1], dtype=mx.uint32), raw[j : j + 1])
+                                 for j in range(len(block))])
+    next_key = getattr(row.sampler, "next_key", None)
+    return verify(row.params, logits, block[1:], next_key() if next_key is not None else None)
+
+
+def _settle(row: Row, drafted: int, kept: int, emitted: list[int]) -> None:
+    """Bring the row's bookkeeping to what was kept: processor history, drafter, counters."""
+    if row.processors and drafted > kept:
+        row.rollback_history(drafted - kept)
+    if row.spec is not None:
+        row.spec.tokens.extend(emitted)
+        if drafted:
+            row.spec.drafter.commit(row.request_id, kept)
+        row.spec.record(drafted, kept, len(emitted))
+
+
+def check_drafter(drafter: Any, model: Any, config: EngineConfig, vocab_size: int) -> None:
+    """Refuse, at start-up, speculation the model cannot verify: a rotating KV cache (``max_kv_size``), recurrent
+    layers with no recorded states to roll back to (mlx-lm's hybrid models: serve them through mlx-vlm), or a draft
+    model whose token ids go past the served model's vocabulary."""
+    if config.max_kv_size:
+        raise ConfigError("[engine.speculative] cannot be used with [engine] max_kv_size: a rotating KV cache "
+                          "cannot roll back rejected drafts")
+    for layer in iter_leaf_caches(make_prompt_cache(model)):
+        if not (layer.is_trimmable() or callable(getattr(layer, "start_speculation", None))):
+            raise ConfigError(f"[engine.speculative] drafter = {drafter.name!r}: this model's "
+                              f"{type(layer).__name__} layers cannot roll back rejected drafts")
+    draft_model = getattr(drafter, "model", None)
+    if draft_model is not None:
+        width = draft_model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(draft_model)).shape[-1]
+        if width > vocab_size:
+            raise ConfigError(f"[engine.speculative] draft_model produces {width} logits, more than the served "
+                              f"model's {vocab_size}: it does not share its tokenizer")
