@@ -15,7 +15,7 @@ from mlxd.engine.drafters.base import DraftRow
 mx = pytest.importorskip("mlx.core")
 mlx_vlm = pytest.importorskip("mlx_vlm")
 
-from mlxd.engine.drafters.mtp import MTPDrafter, forward_with_hidden, make_mtp_drafter, speculative_forward  # noqa: E402
+from mlxd.engine.drafters.mtp import MTPDrafter, make_mtp_drafter  # noqa: E402
 from mlxd.models.vlm import VisionLanguageModel  # noqa: E402
 from mlxd.testing.tiny_hybrid import build_tiny_qwen3_5_mtp, tiny_qwen3_5_mtp_cached  # noqa: E402
 
@@ -41,7 +41,7 @@ def _deltas(batch: int) -> mx.array:
 
 def _prefill(vm: VisionLanguageModel, ids: list[int]) -> tuple[list, int, mx.array]:
     cache = vm.make_cache()
-    logits, hidden = forward_with_hidden(vm, mx.array([ids]), cache)
+    logits, hidden = vm.forward_hidden(mx.array([ids]), cache)
     return cache, int(mx.argmax(logits[0, -1]).item()), hidden[0]
 
 
@@ -49,7 +49,7 @@ def _plain(vm: VisionLanguageModel, ids: list[int], n: int = NUM_TOKENS) -> list
     cache, token, _ = _prefill(vm, ids)
     out = [token]
     while len(out) < n:
-        logits, _ = forward_with_hidden(vm, mx.array([[out[-1]]]), cache, rope_deltas=_deltas(1))
+        logits, _ = vm.forward_hidden(mx.array([[out[-1]]]), cache, rope_deltas=_deltas(1))
         out.append(int(mx.argmax(logits[0, -1]).item()))
     return out
 
@@ -69,7 +69,7 @@ def _speculative(vm, drafter, prompts, k, *, exact="all", spoil=None, n=NUM_TOKE
             drafts = spoil(len(accept_lens), drafts)
         width = 1 + max(len(d) for d in drafts)
         inputs = mx.array([[g[-1], *d] + [0] * (width - 1 - len(d)) for g, d in zip(gen, drafts, strict=True)])
-        logits, verify_hidden, transaction = speculative_forward(vm, inputs, cache, rope_deltas=_deltas(len(gen)))
+        logits, verify_hidden, transaction = vm.verify_forward(inputs, cache, rope_deltas=_deltas(len(gen)))
         verdict = mx.argmax(logits, axis=-1).tolist()
         accepted = []
         for i, d in enumerate(drafts):
@@ -123,7 +123,7 @@ def test_mlx_vlm_is_the_pinned_version_with_the_helpers_mtp_uses(target, mtp_fol
     head = _head(mtp_folder).bind(vm)
     assert isinstance(head, Qwen3_5MTPDraftModel)
     assert head._input_embed is vm.language_model.model.embed_tokens and head._input_embed_scale == 1.0
-    *_, transaction = speculative_forward(vm, mx.array([[1, 2]]), vm.make_cache())
+    *_, transaction = vm.verify_forward(mx.array([[1, 2]]), vm.make_cache())
     assert isinstance(transaction, SpeculativeCacheTransaction)
 
 
@@ -165,11 +165,11 @@ def test_make_mtp_drafter_reads_native_and_split_checkpoints(target, mtp_folder,
 def test_forward_with_hidden_gives_the_post_norm_hidden_state(target):
     vm, prompts = target
     inputs = mx.array([prompts[0]])
-    logits, hidden = forward_with_hidden(vm, inputs, vm.make_cache())
+    logits, hidden = vm.forward_hidden(inputs, vm.make_cache())
     assert hidden.shape == (1, len(prompts[0]), 64) and logits.shape[:2] == hidden.shape[:2]
     assert mx.allclose(vm.language_model.lm_head(hidden), logits, atol=1e-4)
     assert mx.allclose(vm(inputs, cache=vm.make_cache(), rope_deltas=_deltas(1)), logits, atol=1e-4)
-    verify_logits, verify_hidden, _ = speculative_forward(vm, inputs, vm.make_cache())
+    verify_logits, verify_hidden, _ = vm.verify_forward(inputs, vm.make_cache())
     assert mx.allclose(verify_logits, logits, atol=1e-3) and mx.allclose(verify_hidden, hidden, atol=1e-3)
 
 
@@ -189,7 +189,7 @@ def test_drafts_are_mlx_vlms_own_drafters(target, mtp_folder):
         mine = ours.propose([DraftRow("r", seq, k, exact)])[0]
         reference = theirs.draft_block(mx.array([seq[-1]]), exact[None, -1:], None, k + 1, None, greedy=True)
         assert mine == reference[0].tolist()
-        logits, verify_hidden, transaction = speculative_forward(vm, mx.array([[seq[-1], *mine]]), cache)
+        logits, verify_hidden, transaction = vm.verify_forward(mx.array([[seq[-1], *mine]]), cache)
         bonus = int(mx.argmax(logits[0, accepted]).item())
         transaction.commit([accepted + 1])
         theirs.accept_verified_tokens(verify_hidden, mx.array([mine]), accepted, mine[:accepted] + [bonus], None,

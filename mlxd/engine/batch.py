@@ -36,6 +36,7 @@ from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
 from mlxd.engine.spec_step import draft, speculative_step
 from mlxd.engine.speculation import SpecState
+from mlxd.engine.target import forward
 
 # mx.random.seed takes an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
@@ -60,6 +61,26 @@ class Row:
     pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
     # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculation); None: plain.
     spec: SpecState | None = None
+    # For drafters that read the model's hidden states (MTP heads): those of the positions kept since the last draft.
+    hidden: list[mx.array] = field(default_factory=list)
+
+    @property
+    def wants_hidden(self) -> bool:
+        return self.spec is not None and self.spec.drafter.needs_hidden
+
+    def keep_hidden(self, hidden: mx.array) -> None:
+        """Keep the hidden states ``(L, H)`` of positions the row just kept; a row that drafts rarely keeps the
+        latest 512 positions (a drafter skips positions it is not given)."""
+        self.hidden.append(hidden)
+        while len(self.hidden) > 1 and sum(h.shape[0] for h in self.hidden[1:]) >= 512:
+            self.hidden.pop(0)
+
+    def take_hidden(self) -> mx.array | None:
+        """The hidden states kept since the last call, ``(m, H)``, or None."""
+        if not self.hidden:
+            return None
+        hidden, self.hidden = mx.concatenate(self.hidden) if len(self.hidden) > 1 else self.hidden[0], []
+        return hidden
 
     @property
     def rope_delta(self) -> int:
@@ -176,7 +197,10 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start
     the cache and return ``None``.
     """
     inputs = mx.array(tokens, dtype=mx.uint32)
-    logits = model(inputs[None], cache=row.cache, **row.prompt_inputs(start, start + len(tokens)))
+    logits, hidden = forward(model, inputs[None], row.cache, hidden=row.wants_hidden,
+                             **row.prompt_inputs(start, start + len(tokens)))
+    if hidden is not None:
+        row.keep_hidden(hidden[0])
     if not last:
         if row.processors:
             row.history = inputs if row.history is None else mx.concatenate([row.history, inputs])
@@ -215,7 +239,11 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tu
             layer.left_padding = mx.array(padding)
         else:
             layer.prepare(left_padding=padding)
-    logits = raw = model(inputs, cache=cache)[:, -1, :]
+    logits, hidden = forward(model, inputs, cache, hidden=any(row.wants_hidden for row in rows))
+    logits = raw = logits[:, -1, :]
+    for i, row in enumerate(rows):
+        if row.wants_hidden:
+            row.keep_hidden(hidden[i, padding[i] :])
     if any(row.processors for row in rows):
         logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
                                  for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
@@ -253,6 +281,7 @@ class DecodeBatch:
         # Whether any row is speculative (then each step first asks the drafters), and the left padding that
         # ragged speculative steps have added since the batched cache was last compacted.
         self.speculative = False
+        self.wants_hidden = False
         self._ragged = 0
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
@@ -294,6 +323,14 @@ class DecodeBatch:
     def _rows_changed(self) -> None:
         self._rope_deltas = None
         self.speculative = any(row.spec is not None for row in self.rows)
+        self.wants_hidden = any(row.wants_hidden for row in self.rows)
+
+    def keep_hidden(self, hidden: mx.array, kept: list[int] | None = None) -> None:
+        """Hand each row that drafts from hidden states its own, ``(B, L, H)``: the first ``kept[i]`` positions of
+        row ``i`` (all of them when ``kept`` is None)."""
+        for i, row in enumerate(self.rows):
+            if row.wants_hidden:
+                row.keep_hidden(hidden[i, : kept[i]] if kept is not None else hidden[i])
 
     def row_cache(self, request_id: str) -> list[Any]:
         """One row's cache layers at batch size 1 (the batch's own cache when it is the only row, else a copy)."""
@@ -358,7 +395,11 @@ class DecodeBatch:
         inputs = self.inputs
         # The log-probabilities of the tokens fed in now, captured when they were sampled.
         previous = {row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
-        raw = self.model(inputs[:, None], cache=self.cache, **self.position_inputs())[:, -1, :]
+        raw, hidden = forward(self.model, inputs[:, None], self.cache, hidden=self.wants_hidden,
+                              **self.position_inputs())
+        raw = raw[:, -1, :]
+        if hidden is not None:
+            self.keep_hidden(hidden)
         logits = self._process(inputs, raw)
         if len(self.rows) == 1:
             logprobs = logits - mx.logsumexp(logits, keepdims=True)

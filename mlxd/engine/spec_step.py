@@ -18,19 +18,20 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
+from mlx_vlm.speculative.cache_state import iter_leaf_caches
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.drafters.base import DraftRow
 from mlxd.engine.logprobs import block_logprobs, read_logprobs
 from mlxd.engine.speculation import DraftTimer, num_accepted, verify
+from mlxd.engine.target import verify as verify_forward
 from mlxd.errors import ConfigError
 
 if TYPE_CHECKING:
     from mlxd.engine.batch import DecodeBatch, Row
 
 
-def draft(batch: DecodeBatch, fed: list[int], hidden: Any = None) -> list[list[int]]:
+def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
     """Each row's drafted tokens for this step (none for plain rows and rows that pause), one drafter call per
     drafter; drafts a grammar would refuse are cut where it refuses."""
     drafts: list[list[int]] = [[] for _ in batch.rows]
@@ -40,9 +41,8 @@ def draft(batch: DecodeBatch, fed: list[int], hidden: Any = None) -> list[list[i
             continue
         k = row.spec.draft_length(len(batch.rows))
         if k > 0:
-            rows_hidden = hidden[i : i + 1] if hidden is not None else None
             asking.setdefault(row.spec.drafter, []).append(
-                (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, rows_hidden)))
+                (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, row.take_hidden())))
     for drafter, entries in asking.items():
         with DraftTimer([batch.rows[i].spec for i, _ in entries]):
             proposals = drafter.propose([entry for _, entry in entries])
@@ -71,9 +71,8 @@ def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]
     blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
     inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
     previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}
-    transaction = start_speculative_cache(batch.cache, width)
+    raw, hidden, transaction = verify_forward(batch.model, inputs, batch.cache, **batch.position_inputs(width))
     try:
-        raw = batch.model(inputs, cache=batch.cache, **batch.position_inputs(width))
         checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
         mx.eval(checks)
     except BaseException:
@@ -81,6 +80,8 @@ def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]
         raise
     kept = [num_accepted(accepted.tolist()) for accepted, _ in checks]
     transaction.commit([1 + a for a in kept])
+    if hidden is not None:
+        batch.keep_hidden(hidden, [1 + a for a in kept])
     candidates = [candidate.tolist() for _, candidate in checks]
     batch.inputs = mx.array([c[a] for c, a in zip(candidates, kept, strict=True)], dtype=mx.uint32)
     emitted = [blocks[i][: 1 + a] for i, a in enumerate(kept)]

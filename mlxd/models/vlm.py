@@ -79,14 +79,43 @@ class VisionLanguageModel(nn.Module):
                  rope_deltas: mx.array | None = None, **extras: Any) -> mx.array:
         """Logits for ``inputs`` (B, L). A prompt chunk of a vision row passes its ``embeds`` slice and the
         prompt's ``extras``; a decode step of a multimodal-RoPE model passes ``rope_deltas`` (B, 1)."""
+        out = self.language_model(inputs, inputs_embeds=embeds, cache=cache,
+                                  **self._positions(inputs, cache, rope_deltas, extras))
+        return getattr(out, "logits", out)
+
+    def forward_hidden(self, inputs: mx.array, cache: list[Any] | None = None, *, embeds: mx.array | None = None,
+                       rope_deltas: mx.array | None = None, **extras: Any) -> tuple[mx.array, mx.array]:
+        """As a call, with the last hidden state (after the final norm: what MTP heads read): ``(logits (B, L, V),
+        hidden (B, L, H))``. Qwen3.5-family language models only (``return_hidden``)."""
+        out = self.language_model(inputs, inputs_embeds=embeds, cache=cache, return_hidden=True,
+                                  **self._positions(inputs, cache, rope_deltas, extras))
+        return out.logits, out.hidden_states[-1]
+
+    @property
+    def has_verify_entry(self) -> bool:
+        """Whether the language model verifies speculative blocks itself (Qwen3.5: ``speculative_verify``)."""
+        return callable(getattr(self.language_model, "speculative_verify_hidden", None))
+
+    def verify_forward(self, inputs: mx.array, cache: list[Any], *, rope_deltas: mx.array | None = None,
+                       **extras: Any) -> tuple[mx.array, mx.array, Any]:
+        """A speculative step's forward through the language model's own entry: ``(logits, hidden, transaction)``,
+        the transaction mlx-vlm opened on the caches it updated (commit the kept lengths, or abort). The ordinary
+        call would not do: for several tokens a row on a batched cache it replaces cache objects row by row."""
+        out = self.language_model(inputs, cache=cache, speculative_verify=True, return_hidden=True,
+                                  **self._positions(inputs, cache, rope_deltas, extras))
+        return out.logits, out.hidden_states[-1], out.gdn_states
+
+    def _positions(self, inputs: mx.array, cache: list[Any] | None, rope_deltas: mx.array | None,
+                   extras: dict[str, Any]) -> dict[str, Any]:
+        """``extras`` with the position inputs of multimodal RoPE: per-row offsets in a batch, else positions from
+        the cache offset."""
         if self.uses_rope_deltas and rope_deltas is None and "position_ids" not in extras:
             offset = _offset(cache)
             positions = mx.arange(offset, offset + inputs.shape[1])
             extras["position_ids"] = mx.broadcast_to(positions, (3, inputs.shape[0], inputs.shape[1]))
         if rope_deltas is not None:
             extras["rope_deltas"] = rope_deltas
-        out = self.language_model(inputs, inputs_embeds=embeds, cache=cache, **extras)
-        return getattr(out, "logits", out)
+        return extras
 
     # ---- images ----
 
@@ -179,9 +208,9 @@ def _image_token_id(config: Any) -> int | None:
 
 
 def _offset(cache: list[Any] | None) -> int:
-    if not cache:
-        return 0
-    offset = cache[0].offset
+    """The positions a cache holds: its first attention layer's offset (recurrent layers of hybrid models keep
+    none)."""
+    offset = next((layer.offset for layer in cache or () if getattr(layer, "offset", None) is not None), 0)
     return int(offset) if not isinstance(offset, mx.array) else int(offset.max().item())
 
 

@@ -1,7 +1,8 @@
 """Multi-token-prediction heads as a drafter: Qwen3.5's MTP layer, composed from mlx-vlm 0.7.10.
 
 :func:`make_mtp_drafter` loads the head from the served checkpoint; the engine gets the hidden states it reads from
-:func:`forward_with_hidden` (prompt chunks, plain steps) and :func:`speculative_forward` (verify steps).
+the vision wrapper's ``forward_hidden`` (prompt chunks, plain steps) and ``verify_forward`` (verify steps), through
+:mod:`mlxd.engine.target`.
 
 What the head computes. For sequence position ``t`` it takes a pair: the target's final hidden state at ``t``
 (``h_t``, after the model's final RMSNorm) and the embedding of the token at ``t + 1``; ``fc`` mixes the two, one
@@ -12,7 +13,7 @@ This is what mlx-vlm's own MTP loop does (``Qwen3_5MTPDraftModel.prefill_from_ta
 Per request the drafter keeps the head's KV cache (one entry per pair, positions ascending, gaps allowed) and the
 pairs it drafted last. A row's ``hidden`` is ``(m, H)``, ``(1, H)`` or ``(H,)``: the target's post-norm hidden
 states at the row's last ``m`` kept positions, the last of them the position just before ``tokens[-1]`` (from
-:func:`forward_with_hidden` or :func:`speculative_forward`, at index ``accepted`` of a verified row). Positions
+``forward_hidden`` or ``verify_forward``, at index ``accepted`` of a verified row). Positions
 before those get the head's own hidden state where the row accepted drafts (the approximation mlx-vlm makes for
 its kept draft entries) and are skipped otherwise; an engine that passes every newly kept position (the prompt's
 at the first step) gives the head exact context.
@@ -42,39 +43,6 @@ from mlxd.errors import ConfigError
 
 def _language_model(model: Any) -> Any:
     return getattr(model, "language_model", model)
-
-
-def _last_hidden(out: Any) -> mx.array:
-    hidden = getattr(out, "hidden_states", None)
-    if not hidden:
-        raise TypeError(f"{type(out).__name__} carries no hidden states: the model ignored return_hidden=True")
-    return hidden[-1]
-
-
-def forward_with_hidden(model: Any, inputs: mx.array, cache: list[Any], **kwargs: Any) -> tuple[mx.array, mx.array]:
-    """One target forward returning ``(logits (B, L, V), hidden (B, L, H))``; ``hidden`` is what the MTP head reads.
-
-    ``model``: a ``VisionLanguageModel``, an mlx-vlm model, or its language model. ``kwargs`` go to the language
-    model unchanged (``inputs_embeds``, ``position_ids``, ``rope_deltas`` (B, 1) for decode steps of a batch).
-    """
-    out = _language_model(model)(inputs, cache=cache, return_hidden=True, **kwargs)
-    return out.logits, _last_hidden(out)
-
-
-def speculative_forward(
-    model: Any, inputs: mx.array, cache: list[Any], **kwargs: Any
-) -> tuple[mx.array, mx.array, Any]:
-    """The verify forward of a speculative step: ``(logits, hidden, transaction)`` for the rows' ``[last, d1..dk]``.
-
-    Runs the Qwen3.5 language model's own speculative entry (``speculative_verify=True``), which opens mlx-vlm's
-    ``SpeculativeCacheTransaction`` on the caches it updates; the caller keeps ``1 + accepted_i`` positions per row
-    with ``transaction.commit([...])`` (or drops all with ``abort()``). Do not wrap the ordinary forward in
-    ``start_speculative_cache`` instead: for a batch cache with left padding (or of one row) and more than one
-    token per row, mlx-vlm 0.7.10 runs it row by row and puts new cache objects into ``cache``, so that transaction
-    would roll back caches that are no longer used.
-    """
-    out = _language_model(model)(inputs, cache=cache, speculative_verify=True, return_hidden=True, **kwargs)
-    return out.logits, _last_hidden(out), out.gdn_states
 
 
 @dataclass(slots=True, eq=False)
