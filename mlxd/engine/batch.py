@@ -22,6 +22,7 @@ pointing at a broken array; :func:`reset_random_state` replaces it.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,6 +284,8 @@ class DecodeBatch:
         self.speculative = False
         self.wants_hidden = False
         self._ragged = 0
+        # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
+        self.waited_s = 0.0
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
         self._rope_deltas: mx.array | None = None
@@ -376,7 +379,9 @@ class DecodeBatch:
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
         if self.speculative:
+            started = time.perf_counter()
             fed = self.inputs.tolist()
+            self.waited_s += time.perf_counter() - started
             drafts = draft(self, fed)
             if any(drafts):
                 emitted = speculative_step(self, fed, drafts)
@@ -413,7 +418,10 @@ class DecodeBatch:
             self.inputs = self._sample_each(logprobs)
             capture_logprobs(self.rows, raw, self.inputs)
         self.logprobs = {request_id: [read_logprobs(arrays)] for request_id, arrays in previous.items()}
-        return inputs.tolist()
+        started = time.perf_counter()
+        tokens = inputs.tolist()
+        self.waited_s += time.perf_counter() - started
+        return tokens
 
     def _compact_if_ragged(self, emitted: list[list[int]]) -> None:
         """Rows that kept fewer positions than others in a speculative step leave left padding behind (their

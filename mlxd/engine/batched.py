@@ -58,6 +58,7 @@ from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.scheduler import prompts_to_batch
 from mlxd.engine.spec_step import check_drafter
 from mlxd.engine.speculation import SpecState
+from mlxd.engine.steptimes import StepTimes
 from mlxd.engine.vision import VisionPrefill, prompt_key
 from mlxd.log import get_logger
 
@@ -84,6 +85,7 @@ class BatchedEngine(EngineFront):
         super().__init__(config)
         self.model = model
         self.drafter = drafter
+        self.step_times = StepTimes()
         self._make_sampler = make_sampler
         self.vocab_size = 0  # the model's logits width, learned at warm-up: token ids must be below it
         self.batch = DecodeBatch(model)
@@ -197,17 +199,24 @@ class BatchedEngine(EngineFront):
             row.history = mx.array(request.prompt[: hit.num_cached], dtype=mx.uint32)
 
     def step(self) -> None:
-        """One engine step: schedule → run the batch → post-process."""
+        """One engine step: schedule → run the batch → post-process (each phase timed: :mod:`.steptimes`)."""
+        clock = self.step_times
+        clock.start()
         self._make_room()
         plan = self.scheduler.schedule()
+        clock.lap("schedule")
         # Whole short prompts share a forward pass, except where snapshots must land on checkpoints.
         together = prompts_to_batch(plan.prefill) if self._trimmable else []
         for state, num_tokens in plan.prefill:
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
         self._prefill_together([self._requests[state.request_id] for state in together])
+        clock.lap("prefill")
+        self.batch.waited_s = 0.0
         tokens = self._decode()
+        clock.lap("decode_build", self.batch.waited_s)
         self._post_process(tokens)
+        clock.lap("post_process")
         self.totals["num_steps"] += 1
 
     def _make_room(self) -> None:

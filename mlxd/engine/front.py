@@ -174,6 +174,7 @@ class EngineFront:
             },
             "totals": dict(self.totals),
             "speculative": self._speculative_status(),
+            **({"step_ms": self.step_times.status()} if hasattr(self, "step_times") else {}),
             "memory": {
                 "active_bytes": mx.get_active_memory(),
                 "peak_bytes": mx.get_peak_memory(),

@@ -14,6 +14,7 @@ depends on how many drafts were kept.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -74,7 +75,9 @@ def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]
     raw, hidden, transaction = verify_forward(batch.model, inputs, batch.cache, **batch.position_inputs(width))
     try:
         checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
+        started = time.perf_counter()
         mx.eval(checks)
+        batch.waited_s += time.perf_counter() - started
     except BaseException:
         transaction.abort()
         raise
