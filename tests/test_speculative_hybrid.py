@@ -116,3 +116,28 @@ def test_an_oracle_drafter_is_always_right_and_ragged_acceptance_rolls_back_per_
         assert results[0][1].decode["acceptance"] < 1.0 and results[1][1].decode["acceptance"] == 1.0
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"])
+def test_text_requests_to_a_vision_model_speculate_and_give_the_plain_output(tiny_vlm, family):
+    """Text-only rows of a vision model decode through its language model, drafts verified in the batch (ragged:
+    the oracle is wrong at every fifth proposed token for half the rows)."""
+    model, processor = mlx_vlm.load(str(tiny_vlm(family)))
+    model, tokenizer = VisionLanguageModel(model), processor.tokenizer
+    prompts = [tuple(tokenizer.encode(p)) for p in PROMPTS]
+    engine = start(model)
+    try:
+        expected = [run(engine, [r])[0][0] for r in requests(tokenizer, "plain", [Plain()] * len(PROMPTS))]
+    finally:
+        engine.stop()
+    vocab = engine.vocab_size
+    spoiled = {p: [(t + 1) % vocab if j % 5 == 4 and i % 2 else t for j, t in enumerate(out)]
+               for i, (p, out) in enumerate(zip(prompts, expected, strict=True))}
+    engine = start(model, OracleDrafter(spoiled))
+    try:
+        modes = [ORACLE] * 4 + [Plain()] * 2
+        results = run(engine, requests(tokenizer, "spec", modes))
+    finally:
+        engine.stop()
+    assert [tokens for tokens, _ in results] == expected
+    assert results[0][1].decode["acceptance"] == 1.0 and results[1][1].decode["acceptance"] < 1.0
