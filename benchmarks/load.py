@@ -10,6 +10,13 @@ Per server and concurrency: mean time to first token, median inter-token latency
 tokens / (last token time − first token time), over all streams). Prompts are distinct per client and chosen so that
 greedy decoding does not hit an end-of-sequence token within ``--max-tokens``, so every stream runs to its length.
 
+For mlxd (and the baseline mlxd), the first pass at the highest concurrency right after ``/health`` turns 200 is
+reported apart, beside the pass that follows it (median time to first token, aggregate tokens/s): what warm-up
+leaves for the first clients to pay. Both passes use prompts of their own, seen by no earlier request, so that
+neither hits the prefix cache. MLX's CUDA backend keeps the kernels it compiles on disk (``MLX_PTX_CACHE_DIR``, by
+default ``$TMPDIR/mlx/<version>/ptx``), so a later start pays less than the first one on a machine: point
+``MLX_PTX_CACHE_DIR`` at an empty folder to measure a first start.
+
     python benchmarks/load.py --tiny qwen3 --out docs/benchmarks/engine-cpu.md
     python benchmarks/load.py --model PATH --concurrency 1,8,16 --servers mlxd
 """
@@ -43,6 +50,7 @@ class Result:
     ttft_s: float | None
     itl_ms: float | None
     tokens_per_s: float
+    ttft_p50_s: float | None = None
 
 
 # ---- prompts ----
@@ -132,9 +140,25 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
     tokens = sum(n for _, _, n in runs)
     first = min(t[0] for _, t, _ in runs if t)
     last = max(t[-1] for _, t, _ in runs if t)
-    ttft = statistics.mean(t[0] - s for s, t, _ in runs if t)
+    ttfts = [t[0] - s for s, t, _ in runs if t]
     itl = statistics.median(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
-    return Result(label, len(prompts), tokens, ttft, itl * 1000, tokens / (last - first))
+    return Result(label, len(prompts), tokens, statistics.mean(ttfts), itl * 1000, tokens / (last - first),
+                  statistics.median(ttfts))
+
+
+@dataclass
+class FirstPass:
+    """The first pass at one concurrency right after a server reported ready, and the pass that followed it."""
+
+    first: Result
+    second: Result
+
+
+def first_passes(label: str, port: int, model: str, prompts: list[str], max_tokens: int) -> FirstPass:
+    """Two passes of ``len(prompts) // 2`` streams, one after the other, each with its own half of ``prompts``."""
+    n = len(prompts) // 2
+    first = asyncio.run(http_load(label, port, model, prompts[:n], max_tokens))
+    return FirstPass(first, asyncio.run(http_load(label, port, model, prompts[n:], max_tokens)))
 
 
 # ---- servers ----
@@ -198,7 +222,10 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
     if args.baseline_mlxd:  # another mlxd source tree (an earlier commit), served side by side with this one
         port = free_port()
         command = mlxd_command(args.model, port, tmp / "baseline", max_concurrency)
-        env = {"PYTHONPATH": os.pathsep.join([str(Path(args.baseline_mlxd).resolve()), os.environ.get("PYTHONPATH", "")])}
+        # PYTHONSAFEPATH: `python -m mlxd` would otherwise put the working directory (this checkout, when run from
+        # its root) ahead of PYTHONPATH, and serve this mlxd under the baseline's name.
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(args.baseline_mlxd).resolve()), os.environ.get("PYTHONPATH", "")]),
+               "PYTHONSAFEPATH": "1"}
         specs.append(("mlxd baseline (HTTP)", command, "/health", env))
     return specs
 
@@ -250,6 +277,21 @@ def table(results: list[Result]) -> str:
         ttft = f"{r.ttft_s:.3f}" if r.ttft_s is not None else "–"
         itl = f"{r.itl_ms:.2f}" if r.itl_ms is not None else "–"
         lines.append(f"| {r.label} | {r.concurrency} | {r.tokens} | {ttft} | {itl} | {r.tokens_per_s:.0f} |")
+    return "\n".join(lines)
+
+
+def first_pass_report(passes: list[FirstPass]) -> str:
+    """The first pass after ready beside the second, per mlxd server, and their ratio of aggregate tokens/s."""
+    lines = ["First pass after ready (right after /health turned 200) and the next pass, each with prompts of its own:",
+             "", "| engine | streams | pass | tokens | TTFT p50 (s) | aggregate tok/s |", "|---|---|---|---|---|---|"]
+    for p in passes:
+        for name, r in (("first after ready", p.first), ("second", p.second)):
+            lines.append(f"| {r.label} | {r.concurrency} | {name} | {r.tokens} | {r.ttft_p50_s:.3f} | "
+                         f"{r.tokens_per_s:.0f} |")
+    lines.append("")
+    for p in passes:
+        lines.append(f"- {p.first.label.replace(' (HTTP)', '')} first pass / second pass at {p.first.concurrency} "
+                     f"streams: {p.first.tokens_per_s / p.second.tokens_per_s:.2f}x")
     return "\n".join(lines)
 
 
@@ -313,13 +355,16 @@ def main() -> None:
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
-    prompts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
-    results = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
+    # The rounds' prompts, then those of the first and the second pass after ready (mlxd servers only).
+    num_prompts = max(levels) * (3 if "mlxd" in args.servers.split(",") or args.baseline_mlxd else 1)
+    prompts = pick_prompts(model, tokenizer, num_prompts, args.max_tokens)
+    results, passes = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
     report = "\n\n".join([
         f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} interleaved "
         "rounds.",
         table(results),
         ratios(results),
+        *([first_pass_report(passes)] if passes else []),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(args.vllm_python).items()),
     ])
     if args.out:
@@ -327,16 +372,24 @@ def main() -> None:
     print(report)
 
 
-def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path, logs: Path) -> list[Result]:
+def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path,
+            logs: Path) -> tuple[list[Result], list[FirstPass]]:
     """Every engine at every level, round after round, interleaved: noise on a shared machine then hits all of
-    them alike instead of whichever happened to run during it. The best run of each point is kept."""
+    them alike instead of whichever happened to run during it. The best run of each point is kept.
+
+    Each mlxd server first serves its first and second pass at the highest level, as soon as it is ready and
+    before the next server starts (``prompts`` beyond the rounds' own are theirs)."""
+    top = max(levels)
     with contextlib.ExitStack() as stack:
-        servers = []
-        for label, command, health, env in server_specs(args, tmp, max(levels)):
+        servers, passes = [], []
+        for label, command, health, env in server_specs(args, tmp, top):
             port = port_of(command)
             log_name = label.replace(" (HTTP)", "").replace(" ", "-")
             stack.enter_context(serve(command, port, logs / f"{log_name}.log", health, env))
             servers.append((label, port, "bench" if label.startswith("mlxd") else args.model))
+            if label.startswith("mlxd"):
+                passes.append(first_passes(label, port, "bench", prompts[top : 3 * top], args.max_tokens))
+                print(first_pass_report(passes[-1:]), flush=True)
         for level in levels:  # warm every batch shape once
             direct_batch_generator(model, tokenizer, prompts[:level], 8)
             for label, port, name in servers:
@@ -353,7 +406,7 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
                 if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                     best[key] = run
             print(table(sorted(best.values(), key=_order)), flush=True)
-    return sorted(best.values(), key=_order)
+    return sorted(best.values(), key=_order), passes
 
 
 def _order(result: Result) -> tuple[int, int]:

@@ -69,6 +69,23 @@ def measure(engine, prompts: list[list[int]], max_tokens: int, decode, tag: str)
     return tokens / (last - first), results[0][1]
 
 
+def greedy_outputs(engine, prompts: list[list[int]], max_tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's plain greedy continuation on this engine: what an oracle drafter proposes."""
+    from mlxd.engine.base import EngineRequest, Finished, Token
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens = []
+        async for event in engine.submit(EngineRequest(request_id=f"ref-{i}", prompt=prompt,
+                                                       max_tokens=max_tokens)).events():
+            if isinstance(event, Token):
+                tokens.append(event.token)
+            elif isinstance(event, Finished):
+                return tokens
+        raise RuntimeError("no final event")
+
+    return {tuple(p): asyncio.run(one(i, p)) for i, p in enumerate(prompts)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model folder")
@@ -99,20 +116,7 @@ def main() -> None:
     # The oracle's continuations: what plain greedy decoding of this engine produces.
     right = OracleDrafter({})
     engine = engine_for(model, right, args.streams)
-    outputs = {}
-    for p in prompts:
-        from mlxd.engine.base import EngineRequest
-
-        async def one(p=p):
-            tokens = []
-            from mlxd.engine.base import Finished, Token
-            async for event in engine.submit(EngineRequest(request_id=f"ref-{len(outputs)}", prompt=p,
-                                                           max_tokens=args.max_tokens)).events():
-                if isinstance(event, Token):
-                    tokens.append(event.token)
-                elif isinstance(event, Finished):
-                    return tokens
-        outputs[tuple(p)] = asyncio.run(one())
+    outputs = greedy_outputs(engine, prompts, args.max_tokens)
     right.continuations.update(outputs)
     vocab = engine.vocab_size
     wrong_engine = engine_for(model, OracleDrafter({k: [(t + 1) % vocab for t in v] for k, v in outputs.items()}),

@@ -31,7 +31,6 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
@@ -478,20 +477,3 @@ def _release_drafts(rows: list[Row]) -> None:
     for row in rows:
         if row.spec is not None:
             row.spec.drafter.release(row.request_id)
-
-
-def warm_up_shapes(model: Any, config: EngineConfig) -> None:
-    """Run the shapes serving will use (a full prompt chunk; decode batches of 1, 2, 4, … max_running): MLX's GPU
-    backends compile kernels per shape, and the first request should not pay for it."""
-    greedy = SamplingParams()
-    row = Row.for_request("warm-up", greedy, model, config.max_kv_size)
-    process_prompt(model, row, [1] * config.prefill_chunk, last=False)
-    sizes = sorted({min(1 << i, config.max_running) for i in range(config.max_running.bit_length())})
-    for size in sizes:
-        batch = DecodeBatch(model)
-        for i in range(size):
-            row = Row.for_request(f"warm-up-{i}", greedy, model, config.max_kv_size)
-            batch.add(row, process_prompt(model, row, [1, 2, 3, 4], last=True))
-        for _ in range(max(1, config.warmup_tokens)):
-            batch.step()
-    mx.clear_cache()

@@ -48,7 +48,6 @@ from mlxd.engine.batch import (
     process_prompt,
     process_prompts,
     reset_random_state,
-    warm_up_shapes,
 )
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import EngineFront, Submitted
@@ -60,6 +59,7 @@ from mlxd.engine.spec_step import check_drafter
 from mlxd.engine.speculation import SpecState
 from mlxd.engine.steptimes import StepTimes
 from mlxd.engine.vision import VisionPrefill, prompt_key
+from mlxd.engine.warmup import warm_up_shapes
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")

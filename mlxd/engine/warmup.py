@@ -1,0 +1,122 @@
+"""Warm-up: run every shape serving uses before the engine reports ready.
+
+MLX's GPU backends build kernels, compiled graphs and matmul plans the first time they meet a shape or kind of pass
+(the CUDA backend compiles kernels with NVRTC, and keeps them on disk for later processes). :func:`warm_up_shapes`
+meets them beforehand, through the same functions serving calls (:mod:`mlxd.engine.batch`), so what it warms is what
+serving runs. On an H100 with an empty kernel cache (Qwen3-8B shape, bf16), the first 8-stream pass after
+``/health`` turned 200 ran at 0.20x the aggregate tokens/s of the next pass when warm-up covered only decode batches
+of powers of two and one prompt chunk; 1.04x with this warm-up (``benchmarks/load.py``, "first pass after ready").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import SamplingParams
+from mlxd.engine.batch import DecodeBatch, Row, can_batch_prompts, process_prompt, process_prompts
+
+# Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
+# One within the query length of Metal's vector attention kernel (8), one past it (the full attention kernel).
+GROUP_PROMPT_LENGTHS = (4, 16)
+# The prompt of each row joining the decode batch on its own.
+_SHORT_PROMPT = [1, 2, 3, 4]
+
+
+def warm_up_shapes(model: Any, config: EngineConfig) -> None:
+    """Run the shapes serving uses, with greedy rows on the calling thread's stream, and leave nothing behind
+    (MLX's buffer cache is cleared).
+
+    Warmed, for ``n = config.max_running``:
+
+    - prompt chunks: a full ``prefill_chunk``, then a partial last chunk continuing it (attention over cached
+      positions, and the first token sampled);
+    - decode batches of every size 1..n, reached by rows joining one at a time (``add``: the lone row's cache
+      merged at 2, ``extend`` beyond), with ``warmup_tokens`` steps at each size;
+    - rows leaving one at a time (``filter``, then ``extract`` back to a lone row), and a row's cache taken out of
+      the batch (``row_cache``), as the prefix cache does when a request ends;
+    - whole prompts processed together (:func:`process_prompts`), groups of every size 2..n at each length of
+      :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining a batch of one row
+      (``extend``) or, at n, an empty one, then leaving it.
+
+    The trade-off: rows leaving and groups joining run the cache copies only, not a decode step (the decode
+    shapes are those of the first phase), and groups use short prompts. A group's padded length and a last
+    chunk's length take any value, and some kernels are built per exact shape (MLX's CUDA backend builds its
+    prefill attention per batch and lengths), so those of the prompts that come are not all warmed; what is, is
+    every batch size, and each kind of pass once. Not warmed either: samplers other than greedy (mlx-lm compiles
+    them per temperature and filter value, so no one value covers the requests that come), logits processors,
+    speculative steps and vision rows.
+
+    The cost is ``n * warmup_tokens`` decode steps and ``3n - 1`` prompt passes, ``2n - 2`` of them groups (about
+    ``10 * n * n`` prompt tokens in all). On a 2-core CPU at ``max_running`` 16: about 0.8 s with the tiny test
+    model (0.2 s warming powers of two only), 3.5 s with the benchmark's tiny model (hidden size 128, 4 layers;
+    0.65 s before), half of it the groups. On an H100, Qwen3-8B shape at ``max_running`` 16: 3.2 s, 7 s the first
+    time in a process (1.0 s and 1.8 s before).
+    """
+    batch = DecodeBatch(model)
+    _join_one_by_one(model, config, batch)
+    _leave_one_by_one(batch)
+    _join_in_groups(model, config, batch)
+    mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
+    batch.clear()
+    mx.clear_cache()
+
+
+def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
+    """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``."""
+    num_steps = max(1, config.warmup_tokens)
+    chunk = config.prefill_chunk
+    row = _row(model, config, 0)
+    process_prompt(model, row, _tokens(chunk), last=False)
+    batch.add(row, process_prompt(model, row, _tokens(max(1, chunk // 4)), last=True, start=chunk))
+    _steps(batch, num_steps)
+    for i in range(1, config.max_running):
+        row = _row(model, config, i)
+        batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
+        _steps(batch, num_steps)
+
+
+def _leave_one_by_one(batch: DecodeBatch) -> None:
+    while len(batch) > 1:
+        leaving = batch.request_ids[-1]
+        mx.eval([layer.state for layer in batch.row_cache(leaving)])
+        batch.remove({leaving})
+        _evaluate(batch)
+
+
+def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
+    """Groups of 2..max_running whole prompts join ``batch`` (which holds one row) or, for a full group, an empty
+    batch, then leave it again."""
+    lengths = sorted({min(n, config.prefill_chunk) for n in GROUP_PROMPT_LENGTHS})
+    for size in range(2, config.max_running + 1):
+        for length in lengths:
+            rows = [_row(model, config, f"group-{size}-{length}-{i}") for i in range(size)]
+            if not can_batch_prompts(rows):
+                return
+            host = batch if size < config.max_running else DecodeBatch(model)
+            cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
+            host.add_batch(rows, cache, first)
+            _evaluate(host)
+            host.remove({row.request_id for row in rows})
+            _evaluate(host)
+
+
+def _row(model: Any, config: EngineConfig, tag: Any) -> Row:
+    return Row.for_request(f"warm-up-{tag}", SamplingParams(), model, config.max_kv_size)
+
+
+def _tokens(n: int) -> list[int]:
+    return [1 + i % 8 for i in range(n)]
+
+
+def _evaluate(batch: DecodeBatch) -> None:
+    """Run what joining or leaving built (the batched cache's copies), without a decode step."""
+    if len(batch):
+        mx.eval(batch.inputs, [layer.state for layer in batch.cache])
+
+
+def _steps(batch: DecodeBatch, num_steps: int) -> None:
+    for _ in range(num_steps):
+        batch.step()

@@ -1,0 +1,80 @@
+"""Warm-up meets every batch shape serving uses (decode sizes 1..max_running, prompt groups 2..max_running, a full
+and a partial chunk), then leaves nothing behind: MLX's buffer cache is empty, no array of its rows stays alive, and
+a decode batch afterwards gives the greedy tokens a lone ``generate_step`` gives."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import SamplingParams
+from mlxd.engine.batch import DecodeBatch, Row, process_prompt
+from mlxd.engine.warmup import warm_up_shapes
+
+MAX_RUNNING = 5
+CHUNK = 32
+
+
+class RecordingModel:
+    """The real model, recording the (batch, length) of each forward pass."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        self.shapes.append(tuple(inputs.shape))
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+@pytest.fixture(params=["llama", "qwen3_next"])
+def model(request, tiny_model_dir, tiny_qwen3_next_dir):
+    path = tiny_model_dir if request.param == "llama" else tiny_qwen3_next_dir
+    return load(str(path))[0]
+
+
+def test_warm_up_meets_every_batch_size_and_leaves_nothing_behind(model):
+    config = EngineConfig(max_running=MAX_RUNNING, prefill_chunk=CHUNK, warmup_tokens=1)
+    recording = RecordingModel(model)
+    mx.eval(model(mx.array([[1, 2]]), cache=make_prompt_cache(model)))  # the model's one-time state (compiled
+    gc.collect()  # functions' constants), and arrays only the cycle collector frees, would blur the measurement
+    mx.clear_cache()
+    active = mx.get_active_memory()
+
+    warm_up_shapes(recording, config)
+
+    assert mx.get_cache_memory() == 0
+    assert mx.get_active_memory() == active
+    decode_sizes = {batch for batch, length in recording.shapes if length == 1}
+    prompt_groups = {batch for batch, length in recording.shapes if batch > 1 and length > 1}
+    assert decode_sizes == set(range(1, MAX_RUNNING + 1))
+    assert prompt_groups == set(range(2, MAX_RUNNING + 1))
+    assert (1, CHUNK) in recording.shapes
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    batch = DecodeBatch(model)
+    for i, prompt in enumerate(prompts):
+        row = Row.for_request(f"after-{i}", SamplingParams(), model, 0)
+        batch.add(row, process_prompt(model, row, prompt, last=True))
+    steps = [batch.step() for _ in range(6)]
+    for i, prompt in enumerate(prompts):
+        alone = [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=6)]
+        assert emitted(steps, i) == alone
+
+
+def emitted(steps: list[list[Any]], i: int) -> list[int]:
+    """Row ``i``'s tokens over ``steps``: a step returns each row's token, or the list of tokens it emitted."""
+    tokens = []
+    for step in steps:
+        tokens += step[i] if isinstance(step[i], list) else [step[i]]
+    return tokens
