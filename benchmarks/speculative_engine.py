@@ -127,6 +127,7 @@ def main() -> None:
 
     def keep(label: str, n: int, rate: float, decode: dict | None = None) -> None:
         points.setdefault((label, n), []).append(rate)
+        print(f"{label}, {n} stream(s): {rate:.1f} tok/s {decode or ''}", flush=True)  # noqa: T201 - progress
         if decode:
             info[(label, n)] = decode
 

@@ -52,4 +52,6 @@ def _draft_model(config: SpeculativeConfig, model: Any, base_dir: Path | None) -
 
         draft = dequantize_model(draft)
         draft.set_dtype(getattr(mx, dtype))
+        # Evaluated here: the engine thread cannot evaluate arrays left lazy on this thread's stream.
+        mx.eval(draft.parameters())
     return DraftModelDrafter(draft)
