@@ -36,6 +36,7 @@ from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
 from mlxd.engine.spec_step import draft, speculative_step
 from mlxd.engine.speculation import SpecState
+from mlxd.engine.stepcosts import StepCosts
 from mlxd.engine.target import forward
 
 # mx.random.seed takes an unsigned 64-bit integer.
@@ -285,6 +286,8 @@ class DecodeBatch:
         self._ragged = 0
         # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
         self.waited_s = 0.0
+        # What plain and verify steps cost here, for speculative rows to weigh their drafts against.
+        self.costs = StepCosts()
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
         self._rope_deltas: mx.array | None = None
@@ -386,6 +389,8 @@ class DecodeBatch:
                 emitted = speculative_step(self, fed, drafts)
                 self._compact_if_ragged(emitted)
                 return emitted
+        if self.speculative:
+            self.costs.tick(len(self.rows), 1)
         tokens = self._plain_step()
         if self.speculative:
             for row, token in zip(self.rows, tokens, strict=True):

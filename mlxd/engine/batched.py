@@ -211,6 +211,8 @@ class BatchedEngine(EngineFront):
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
         self._prefill_together([self._requests[state.request_id] for state in together])
+        if plan.prefill:
+            self.batch.costs.interrupt()
         clock.lap("prefill")
         self.batch.waited_s = 0.0
         tokens = self._decode()
@@ -340,9 +342,11 @@ class BatchedEngine(EngineFront):
         finished: dict[str, str] = {}
         for row, emitted in zip(self.batch.rows, tokens, strict=True):
             submitted = self._requests[row.request_id]
-            reason = self._emit_all(submitted, emitted, self.batch.logprobs.get(row.request_id))
+            reason, unsent = self._emit_all(submitted, emitted, self.batch.logprobs.get(row.request_id))
             if reason is not None:
                 finished[row.request_id] = reason
+                if row.spec is not None:
+                    row.spec.emitted -= unsent
             elif row.spec is not None:
                 submitted.state.num_feeding = 1 + row.spec.k
         if finished:
@@ -356,15 +360,16 @@ class BatchedEngine(EngineFront):
             for request_id, error in errors.items():
                 self._fail(request_id, "sample", error)
 
-    def _emit_all(self, submitted: Submitted, tokens: list[int], logprobs: list | None) -> str | None:
-        """Emit a row's tokens of this step in order, up to the one that finishes it; the reason, if one did.
-        Tokens after it are still in the row's cache: they join ``generated`` (what the cache holds), unsent."""
+    def _emit_all(self, submitted: Submitted, tokens: list[int], logprobs: list | None) -> tuple[str | None, int]:
+        """Emit a row's tokens of this step in order, up to the one that finishes it: the reason, if one did, and
+        how many tokens were not sent. Those are still in the row's cache: they join ``generated`` (what the
+        cache holds). A stop token ends the row unsent too."""
         for i, token in enumerate(tokens):
             reason = self._emit(submitted, token, logprobs[i] if logprobs is not None else None)
             if reason is not None:
                 submitted.generated.extend(tokens[i + 1 :])
-                return reason
-        return None
+                return reason, len(tokens) - i - (reason != "stop")
+        return None, 0
 
     def _emit(self, submitted: Submitted, token: int,
               logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> str | None:

@@ -40,7 +40,7 @@ def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
     for i, row in enumerate(batch.rows):
         if row.spec is None:
             continue
-        k = row.spec.draft_length(len(batch.rows))
+        k = row.spec.draft_length(len(batch.rows), batch.costs)
         if k > 0:
             asking.setdefault(row.spec.drafter, []).append(
                 (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, row.take_hidden())))
@@ -69,6 +69,7 @@ def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]
     it kept). The token after them becomes the row's next input."""
     rows = batch.rows
     width = 1 + max(len(d) for d in drafts)
+    batch.costs.tick(len(rows), width)
     blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
     inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
     previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}

@@ -23,12 +23,14 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxd.engine.base import SamplingParams, Speculative
+from mlxd.engine.stepcosts import StepCosts
 
 # Back-off: after a pause the row drafts again; each further back-off doubles the pause, up to this many steps.
 _MAX_PAUSE = 256
 _FIRST_PAUSE = 8
-# Rounds of drafting before a low acceptance rate can pause a row.
+# Rounds of drafting before a low acceptance rate can pause a row; steps in a row with nothing drafted that pause it.
 _MIN_ROUNDS = 2
+_MAX_EMPTY = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -37,9 +39,12 @@ class SpecState:
 
     ``tokens`` is the row's sequence so far (prompt and every emitted token); ``remaining`` how many tokens it may
     still emit (drafts never run past ``max_tokens``). With ``adaptive``, ``k`` grows by two after a round that
-    accepted every draft and shrinks by one otherwise (between 1 and ``k_max``), and a row whose recent acceptance
-    rate (an exponential average) falls under ``min_acceptance`` pauses for a number of plain steps that doubles
-    each time. Whatever ``adaptive`` says, a step whose batch would verify more than ``max_step_tokens`` positions
+    accepted every draft and shrinks by one otherwise (between 1 and ``k_max``), and the row pauses (plain steps,
+    a number that doubles with each pause, back to the first after a round that kept every draft) when drafting
+    does not pay: when the tokens a verify step is expected to emit (from the recent acceptance rate, an exponential
+    average) are fewer than the plain steps it costs on this engine (:class:`StepCosts`), or, before both costs
+    are measured, when the acceptance rate falls under ``min_acceptance``; and after 4 steps in a row with nothing
+    drafted. Whatever ``adaptive`` says, a step whose batch would verify more than ``max_step_tokens`` positions
     shortens the drafts to fit, down to none (``reason`` says so).
     """
 
@@ -57,6 +62,7 @@ class SpecState:
     reason: str = ""  # why the row last decoded plain, for its log line
     # Counters: rounds that drafted, tokens drafted and accepted, tokens emitted by speculative steps, drafter time.
     rounds: int = 0
+    empty: int = 0  # steps in a row in which the drafter had nothing
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -72,8 +78,9 @@ class SpecState:
         return cls(drafter=drafter, k_max=mode.k, adaptive=mode.adaptive, tokens=list(prompt),
                    remaining=max_tokens, k=mode.k, min_acceptance=min_acceptance, max_step_tokens=max_step_tokens)
 
-    def draft_length(self, batch_size: int) -> int:
-        """How many tokens to draft this step (0: decode plain), counting the pause down."""
+    def draft_length(self, batch_size: int, costs: StepCosts | None = None) -> int:
+        """How many tokens to draft this step (0: decode plain), counting the pause down. With ``adaptive``, a
+        row whose drafts are expected to gain less than a verify step costs (``costs``) backs off."""
         if self.pause:
             self.pause -= 1
             return 0
@@ -81,7 +88,24 @@ class SpecState:
         k = min(self.k, self.remaining - 1, fits)
         if fits < 1:
             self.reason = f"a batch of {batch_size} rows would verify more than {self.max_step_tokens} positions"
+        if k > 0 and self.adaptive and self.rounds >= _MIN_ROUNDS and (reason := self._not_paying(batch_size, k,
+                                                                                                 costs)):
+            self.back_off(reason)
+            return 0
         return max(k, 0)
+
+    def _not_paying(self, batch_size: int, k: int, costs: StepCosts | None) -> str | None:
+        ratio = costs.ratio(batch_size, 1 + k) if costs is not None else None
+        gain = self.expected_gain(k)
+        if ratio is not None:
+            return f"a verify step costs {ratio:.2f} plain steps; drafts gain {gain:.2f}" if gain < ratio else None
+        if self.acceptance < self.min_acceptance:
+            return f"acceptance {self.acceptance:.2f} below {self.min_acceptance}"
+        return None
+
+    def expected_gain(self, k: int) -> float:
+        """Tokens a verify step of ``k`` drafts is expected to emit, from the recent acceptance rate."""
+        return sum(self.acceptance**i for i in range(k + 1))
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """After a step in which the row drafted ``drafted`` tokens and the model kept ``accepted`` of them."""
@@ -95,27 +119,25 @@ class SpecState:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.acceptance = 0.6 * self.acceptance + 0.4 * (accepted / drafted)
-        if not self.adaptive:
-            return
-        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
-        if self.rounds >= _MIN_ROUNDS and self.acceptance < self.min_acceptance:
-            self.back_off(f"acceptance {self.acceptance:.2f} below {self.min_acceptance}")
+        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        self.empty = 0
+        if self.adaptive:
+            self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+            if accepted == drafted:
+                self.next_pause = _FIRST_PAUSE
 
     def record_empty(self) -> None:
-        """The drafter had nothing to propose: with ``adaptive``, that counts as a round that accepted nothing."""
-        if self.adaptive:
-            self.acceptance *= 0.6
-            self.rounds += 1
-            if self.rounds >= _MIN_ROUNDS and self.acceptance < self.min_acceptance:
-                self.back_off("the drafter found nothing to propose")
+        """The drafter had nothing to propose (a step that drafts nothing costs the pipelining of plain steps)."""
+        self.empty += 1
+        if self.adaptive and self.empty >= _MAX_EMPTY:
+            self.back_off(f"the drafter found nothing to propose {self.empty} steps in a row")
 
     def back_off(self, reason: str) -> None:
         self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, _MAX_PAUSE)
         self.reason = reason
         self.backoffs += 1
-        self.acceptance = 0.5  # a fresh start after the pause
-        self.rounds = 0
+        self.acceptance = max(self.acceptance, 0.5)  # a fresh start after the pause
+        self.rounds = self.empty = 0
 
     def summary(self) -> dict[str, Any]:
         """For the request's log line and /v1/status."""
