@@ -287,7 +287,7 @@ def run_all(engine: BatchedEngine, requests: list[EngineRequest]) -> list[list[i
 
 
 def test_rotating_cache_batched_equals_solo(reference):
-    from mlxd.engine.batch import make_request_cache
+    from mlxd.engine.row import make_request_cache
 
     model, tokenizer = reference
     window, n = 32, 60

@@ -18,10 +18,10 @@ from mlx_lm import load
 
 from mlxd.config.schema import EngineConfig, SpeculativeConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Plain, SamplingParams, Speculative, Token
-from mlxd.engine.batch import logits_width
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.drafters.draft_model import DraftModelDrafter
 from mlxd.engine.drafters.prompt_lookup import PromptLookupDrafter
+from mlxd.engine.row import logits_width
 from mlxd.testing.oracle_drafter import OracleDrafter
 from mlxd.testing.tiny import tiny_model_cached
 

@@ -3,7 +3,8 @@
 Each request processes its prompt in chunks into a cache of its own (``make_prompt_cache``, what ``generate_step``
 uses); short prompts that arrive together go through one left-padded forward pass instead
 (:func:`process_prompts`). When its prompt is in, a request's cache joins the :class:`DecodeBatch`, which advances
-every decoding request by one token per forward pass.
+every decoding request by one token per forward pass, or, for speculative rows with drafts, by the drafts the
+model keeps (:mod:`mlxd.engine.spec_step`).
 
 The batch composes mlx-lm's cache protocol and nothing private: per layer, ``merge`` builds a left-padded batched
 cache (``BatchKVCache``, ``BatchRotatingKVCache``, ``ArraysCache`` for recurrent layers), ``extend`` adds a row,
@@ -13,182 +14,25 @@ model exactly as ``generate_step`` does (no mask, no padding), so a lone stream 
 Rows carry their own cache offsets (positions), so rows that need their own positions or input embeddings (vision
 prompts) fit the same step: only their prompt processing differs, in :func:`process_prompt`.
 
-Failures stay with their row where they can: :func:`check_request` keeps token ids outside the vocabulary away from
-MLX, and a decode step whose grouped sampling raises samples row by row, recording the rows that fail again in
-:attr:`DecodeBatch.errors` for the engine to end. A raising compiled sampler can leave MLX's global random state
-pointing at a broken array; :func:`reset_random_state` replaces it.
+Failures stay with their row where they can: ``check_request`` (:mod:`mlxd.engine.row`) keeps token ids outside the
+vocabulary away from MLX, and a decode step whose grouped sampling raises samples row by row, recording the rows that
+fail again in :attr:`DecodeBatch.errors` for the engine to end. A raising compiled sampler can leave MLX's global
+random state pointing at a broken array; ``reset_random_state`` replaces it.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import msgspec
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.logprobs import capture_logprobs, read_logprobs
-from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
+from mlxd.engine.row import Row, reset_random_state
 from mlxd.engine.spec_step import draft, speculative_step
-from mlxd.engine.speculation import SpecState
 from mlxd.engine.stepcosts import StepCosts
 from mlxd.engine.target import forward
-
-# mx.random.seed takes an unsigned 64-bit integer.
-MAX_SEED = 2**64 - 1
-
-
-@dataclass(slots=True, eq=False)
-class Row:
-    """One request's sampling state: its sampler, logits processors and (when they need it) token history."""
-
-    request_id: str
-    params: SamplingParams
-    sampler: Any
-    sampler_key: tuple
-    processors: list
-    history: mx.array | None = None
-    cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
-    # A vision row's prompt: merged input embeddings and per-prompt inputs (mlxd.models.vlm.VisionPrompt).
-    vision: Any = None
-    # Log-probabilities: None when not asked for, else how many top alternatives to report (0: the chosen only).
-    num_logprobs: int | None = None
-    # Those of the token sampled last (lazy arrays, see :func:`capture_logprobs`), until the step that feeds it in.
-    pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
-    # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculation); None: plain.
-    spec: SpecState | None = None
-    # For drafters that read the model's hidden states (MTP heads): those of the positions kept since the last draft.
-    hidden: list[mx.array] = field(default_factory=list)
-
-    @property
-    def wants_hidden(self) -> bool:
-        return self.spec is not None and self.spec.drafter.needs_hidden
-
-    def keep_hidden(self, hidden: mx.array) -> None:
-        """Keep the hidden states ``(L, H)`` of positions the row just kept; a row that drafts rarely keeps the
-        latest 512 positions (a drafter skips positions it is not given)."""
-        self.hidden.append(hidden)
-        while len(self.hidden) > 1 and sum(h.shape[0] for h in self.hidden[1:]) >= 512:
-            self.hidden.pop(0)
-
-    def take_hidden(self) -> mx.array | None:
-        """The hidden states kept since the last call, ``(m, H)``, or None."""
-        if not self.hidden:
-            return None
-        hidden, self.hidden = mx.concatenate(self.hidden) if len(self.hidden) > 1 else self.hidden[0], []
-        return hidden
-
-    @property
-    def rope_delta(self) -> int:
-        """Decode positions are cache offset + this (multimodal RoPE after an image), else 0."""
-        return self.vision.rope_delta if self.vision is not None else 0
-
-    def release_prompt(self) -> None:
-        """Drop what only prompt chunks need (a vision row's merged embeddings can be hundreds of MB)."""
-        if self.vision is not None:
-            self.vision.embeds, self.vision.extras = None, {}
-
-    def prompt_inputs(self, start: int, end: int) -> dict[str, Any]:
-        """What a prompt chunk ``[start, end)`` is run with besides its token ids: a vision row's embeddings
-        for the chunk and its per-prompt inputs (sliced at the cache offset by the model); nothing for text."""
-        if self.vision is None:
-            return {}
-        return {"embeds": self.vision.embeds[:, start:end], **self.vision.extras}
-
-    @classmethod
-    def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
-                    cache: list[Any] | None = None, *,
-                    make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
-                    extra_processors: list | None = None, num_logprobs: int | None = None) -> Row:
-        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache.
-        ``extra_processors`` (a request's constraints) run after the penalties and bias."""
-        return cls(
-            request_id=request_id,
-            params=params,
-            sampler=make_sampler(params),
-            sampler_key=sampler_group(params, request_id),
-            processors=make_request_processors(params) + list(extra_processors or ()),
-            cache=cache if cache is not None else make_request_cache(model, max_kv_size),
-            num_logprobs=num_logprobs,
-        )
-
-
-    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        """Apply this row's logits processors; ``tokens`` are the new input tokens (added to the history)."""
-        if not self.processors:
-            return logits
-        self.history = tokens if self.history is None else mx.concatenate([self.history, tokens])
-        for processor in self.processors:
-            logits = processor(self.history, logits)
-        return logits
-
-    def rollback_history(self, count: int) -> None:
-        """Forget the last ``count`` tokens of the history (drafts the model did not keep); processors that keep
-        state of their own (a grammar) roll back with it."""
-        self.history = self.history[: self.history.size - count]
-        for processor in self.processors:
-            rollback = getattr(processor, "rollback", None)
-            if rollback is not None:
-                rollback(self.history.size)
-
-
-class Refused(ValueError):
-    """A request the engine will not hand to MLX as asked; the message names the value and is safe to show."""
-
-
-def check_request(request: EngineRequest, vocab_size: int) -> SamplingParams:
-    """The request's sampling settings, safe to hand to MLX, or ``Refused``.
-
-    Token ids (prompt, ``logit_bias`` keys) must be in ``[0, vocab_size)``: MLX does not bounds-check gathers and
-    scatters, so one outside reads or writes memory it does not own. A seed must fit ``mx.random.seed``. A ``top_k``
-    that keeps the whole vocabulary is turned off: the same distribution, where mlx-lm's sampler would raise (and,
-    raising inside a compiled function, break the global random state). ``vocab_size`` 0 skips the id checks.
-    """
-    params = request.sampling
-    seed = params.seed
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise Refused(f"seed must be in [0, {MAX_SEED}], got {seed}")
-    if not vocab_size:
-        return params
-    bad = [token for token in params.logit_bias or () if not 0 <= token < vocab_size]
-    if bad:
-        raise Refused(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad[:5]}")
-    if request.prompt and not (0 <= min(request.prompt) and max(request.prompt) < vocab_size):
-        bad = [token for token in request.prompt if not 0 <= token < vocab_size]
-        raise Refused(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
-    if params.top_k >= vocab_size:
-        return msgspec.structs.replace(params, top_k=0)
-    return params
-
-
-def reset_random_state() -> None:
-    """Give MLX's global random state a fresh key: after a failed graph it can point at an array that cannot be
-    evaluated, and every later sampled request would fail with it."""
-    mx.random.seed(secrets.randbits(64))
-
-
-def logits_width(model: Any) -> int:
-    """How many logits the model produces per position: token ids at or above it are outside its vocabulary.
-
-    Builds one position's forward pass without evaluating it: MLX knows the shape of a lazy array.
-    """
-    return model(mx.array([[0]], dtype=mx.uint32), cache=make_request_cache(model)).shape[-1]
-
-
-def make_request_cache(model: Any, max_kv_size: int = 0) -> list[Any]:
-    """A request's own cache: the model's, or one ``RotatingKVCache`` per layer when ``max_kv_size`` is set.
-
-    The rotating cache keeps no leading tokens (``keep=0``, where ``generate_step`` keeps 4): mlx-lm's batched
-    rotating cache has no such option, and a request must attend to the same tokens alone and in a batch.
-    """
-    if not max_kv_size or hasattr(model, "make_cache"):
-        return make_prompt_cache(model)
-    return [RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]
 
 
 def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start: int = 0) -> mx.array | None:

@@ -37,22 +37,12 @@ from mlxd.engine.base import (
     Speculative,
     Token,
 )
-from mlxd.engine.batch import (
-    DecodeBatch,
-    Refused,
-    Row,
-    can_batch_prompts,
-    check_request,
-    logits_width,
-    make_request_cache,
-    process_prompt,
-    process_prompts,
-    reset_random_state,
-)
+from mlxd.engine.batch import DecodeBatch, can_batch_prompts, process_prompt, process_prompts
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import EngineFront, Submitted
 from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
+from mlxd.engine.row import Refused, Row, check_request, logits_width, make_request_cache, reset_random_state
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.scheduler import prompts_to_batch
 from mlxd.engine.spec_step import check_drafter

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxd.engine.batch import make_request_cache
+from mlxd.engine.row import make_request_cache
 from mlxd.errors import ConfigError, RequestError
 
 # Without a device that reports a working set: this share of physical RAM (the OS, the Python heap and MLX's

@@ -29,7 +29,8 @@ from mlxd.engine.target import verify as verify_forward
 from mlxd.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mlxd.engine.batch import DecodeBatch, Row
+    from mlxd.engine.batch import DecodeBatch
+    from mlxd.engine.row import Row
 
 
 def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:

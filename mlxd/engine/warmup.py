@@ -16,7 +16,8 @@ import mlx.core as mx
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import DecodeBatch, Row, can_batch_prompts, process_prompt, process_prompts
+from mlxd.engine.batch import DecodeBatch, can_batch_prompts, process_prompt, process_prompts
+from mlxd.engine.row import Row
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
 # One within the query length of Metal's vector attention kernel (8), one past it (the full attention kernel).
