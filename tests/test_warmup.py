@@ -52,7 +52,7 @@ def test_warm_up_meets_every_batch_size_and_leaves_nothing_behind(model):
     mx.clear_cache()
     active = mx.get_active_memory()
 
-    warm_up_shapes(recording, config)
+    warm_up_shapes(recording, config, every_shape=True)
 
     assert mx.get_cache_memory() == 0
     assert mx.get_active_memory() == active
@@ -74,8 +74,18 @@ def test_warm_up_meets_every_batch_size_and_leaves_nothing_behind(model):
 
 
 def emitted(steps: list[list[Any]], i: int) -> list[int]:
-    """Row ``i``'s tokens over ``steps``: a step returns each row's token, or the list of tokens it emitted."""
+    """Row ``i``'s tokens over ``steps`` (a step returns the list of tokens each row emitted)."""
     tokens = []
     for step in steps:
-        tokens += step[i] if isinstance(step[i], list) else [step[i]]
+        tokens += step[i]
     return tokens
+
+
+def test_on_the_cpu_warm_up_runs_a_chunk_and_decode_batches_of_powers_of_two(model):
+    """Nothing is built per shape on the CPU: the full set would cost minutes with a real model at start-up."""
+    config = EngineConfig(max_running=MAX_RUNNING, prefill_chunk=CHUNK, warmup_tokens=1)
+    recording = RecordingModel(model)
+    warm_up_shapes(recording, config, every_shape=False)
+    decode_sizes = {batch for batch, length in recording.shapes if length == 1}
+    assert decode_sizes == {1, 2, 4, MAX_RUNNING} and (1, CHUNK) in recording.shapes
+    assert not {batch for batch, length in recording.shapes if batch > 1 and length > 1}

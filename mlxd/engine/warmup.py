@@ -26,9 +26,13 @@ GROUP_PROMPT_LENGTHS = (4, 16)
 _SHORT_PROMPT = [1, 2, 3, 4]
 
 
-def warm_up_shapes(model: Any, config: EngineConfig) -> None:
+def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = None) -> None:
     """Run the shapes serving uses, with greedy rows on the calling thread's stream, and leave nothing behind
     (MLX's buffer cache is cleared).
+
+    ``every_shape`` (default: on GPU backends, which build kernels per shape; not on the CPU, where nothing is built
+    per shape and the full set costs minutes with a real model): warm everything below. Otherwise a prompt chunk
+    and decode batches of powers of two (and ``max_running``) only: enough to fail at start-up, not in a request.
 
     Warmed, for ``n = config.max_running``:
 
@@ -57,16 +61,19 @@ def warm_up_shapes(model: Any, config: EngineConfig) -> None:
     time in a process (1.0 s and 1.8 s before).
     """
     batch = DecodeBatch(model)
-    _join_one_by_one(model, config, batch)
-    _leave_one_by_one(batch)
-    _join_in_groups(model, config, batch)
+    every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
+    _join_one_by_one(model, config, batch, every_shape)
+    if every_shape:
+        _leave_one_by_one(batch)
+        _join_in_groups(model, config, batch)
     mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
     batch.clear()
     mx.clear_cache()
 
 
-def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
-    """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``."""
+def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, every_shape: bool) -> None:
+    """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``, with decode steps at
+    every size (only at powers of two and the largest, unless ``every_shape``)."""
     num_steps = max(1, config.warmup_tokens)
     chunk = config.prefill_chunk
     row = _row(model, config, 0)
@@ -76,7 +83,9 @@ def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch) -> No
     for i in range(1, config.max_running):
         row = _row(model, config, i)
         batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
-        _steps(batch, num_steps)
+        size = i + 1
+        if every_shape or size & (size - 1) == 0 or size == config.max_running:
+            _steps(batch, num_steps)
 
 
 def _leave_one_by_one(batch: DecodeBatch) -> None:
