@@ -67,3 +67,23 @@ def test_fixed_k_never_backs_off_and_drafts_fit_the_step_and_max_tokens():
     assert state(adaptive=False).draft_length(16, costs(0.01, 1.0)) == 3  # 64 positions / 16 rows = 1 + 3 drafts
     assert state(adaptive=False).draft_length(64, None) == 0  # a full batch: no room for drafts
     assert state(adaptive=False, max_tokens=2).draft_length(1) == 1  # never past max_tokens
+
+
+def test_a_batch_speculates_only_when_its_rows_together_gain_more_than_every_row_pays():
+    """Four rows at a width of 5 cost 1.8 plain steps each: one row whose drafts all land (5 tokens) and three
+    plain rows (1 token each) make 8 tokens where 4 x 1.8 = 7.2 are paid; at half acceptance, 4.94 do not."""
+    from types import SimpleNamespace
+
+    from mlxd.engine.spec_step import batch_pays
+
+    def batch(acceptance: float):
+        drafting = state()
+        drafting.acceptance = acceptance
+        rows = [SimpleNamespace(spec=drafting)] + [SimpleNamespace(spec=None) for _ in range(3)]
+        return SimpleNamespace(rows=rows, costs=costs(plain_s=0.010, verify_s=0.018, width=5, batch_size=4))
+
+    assert batch_pays(batch(1.0), [4, 0, 0, 0])
+    losing = batch(0.5)
+    assert not batch_pays(losing, [4, 0, 0, 0])
+    assert losing.rows[0].spec.reason == "the batch's drafts gain 1.23 tokens a row; a verify step costs 1.80 plain steps"
+    assert batch_pays(SimpleNamespace(rows=losing.rows, costs=StepCosts()), [4, 0, 0, 0])  # unknown: measure it

@@ -35,13 +35,15 @@ if TYPE_CHECKING:
 
 def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
     """Each row's drafted tokens for this step (none for plain rows and rows that pause), one drafter call per
-    drafter; drafts a grammar would refuse are cut where it refuses."""
+    drafter; drafts a grammar would refuse are cut where it refuses. None at all when the batch's expected gain
+    does not pay for the verify step (:func:`batch_pays`)."""
     drafts: list[list[int]] = [[] for _ in batch.rows]
+    lengths = [row.spec.draft_length(len(batch.rows), batch.costs) if row.spec is not None else 0
+               for row in batch.rows]
+    if not any(lengths) or not batch_pays(batch, lengths):
+        return drafts
     asking: dict[Any, list[tuple[int, DraftRow]]] = {}
-    for i, row in enumerate(batch.rows):
-        if row.spec is None:
-            continue
-        k = row.spec.draft_length(len(batch.rows), batch.costs)
+    for i, (row, k) in enumerate(zip(batch.rows, lengths, strict=True)):
         if k > 0:
             asking.setdefault(row.spec.drafter, []).append(
                 (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, row.take_hidden())))
@@ -54,6 +56,24 @@ def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
                 batch.rows[i].spec.record_empty()
                 drafter.commit(entry.request_id, 0)
     return drafts
+
+
+def batch_pays(batch: DecodeBatch, lengths: list[int]) -> bool:
+    """Whether a verify step with these draft lengths is expected to emit more tokens than the plain steps it costs:
+    every row pays for the step's width, the rows that draft nothing too (they gain one token, as in a plain
+    step). Unknown costs (not measured yet at this batch size and width) pay, so that they get measured."""
+    size = len(batch.rows)
+    ratio = batch.costs.ratio(size, 1 + max(lengths))
+    if ratio is None:
+        return True
+    gain = sum(row.spec.expected_gain(k) if k else 1.0 for row, k in zip(batch.rows, lengths, strict=True))
+    if gain >= size * ratio:
+        return True
+    for row, k in zip(batch.rows, lengths, strict=True):
+        if k:
+            row.spec.reason = (f"the batch's drafts gain {gain / size:.2f} tokens a row; a verify step costs "
+                               f"{ratio:.2f} plain steps")
+    return False
 
 
 def _grammatical(row: Row, last: int, proposal: list[int]) -> list[int]:
