@@ -229,3 +229,25 @@ def test_a_seeded_speculative_request_samples_the_same_alone_and_in_a_batch(targ
         assert ids(batched[0]) == solo
     finally:
         engine.stop()
+
+
+def test_long_ragged_generation_compacts_the_batch_and_keeps_the_plain_output(target):
+    """Two rows keep every draft and two keep none, for 240 tokens: the rejected tails rolled into left padding
+    add up past the compaction threshold (64 positions a row), and the batch is rebuilt mid-generation."""
+    model, tokenizer = target
+    plain = start(model)
+    try:
+        expected = [ids(r) for r in alone(plain, requests(tokenizer, "long-p", Plain(), n=4, max_tokens=240))]
+    finally:
+        plain.stop()
+    batch = requests(tokenizer, "long-s", spec(drafter="oracle"), n=4, max_tokens=240)
+    spoiled = {tuple(r.prompt): [t if i % 2 == 0 else (t + 1) % 900 for t in out]
+               for i, (r, out) in enumerate(zip(batch, expected, strict=True))}
+    engine = start(model, OracleDrafter(spoiled), adaptive=False)
+    try:
+        results = run(engine, batch)
+        assert engine.batch._ragged < 64 * 4  # reset by a compaction on the way (384 positions were added)
+    finally:
+        engine.stop()
+    assert [ids(r) for r in results] == expected
+    assert [r[1].decode["acceptance"] for r in results] == [1.0, 0.0, 1.0, 0.0]
