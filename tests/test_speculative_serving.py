@@ -128,3 +128,17 @@ def test_a_rotating_cache_or_unrecordable_recurrent_layers_refuse_speculation(tm
         with pytest.raises(ConfigError, match=message):
             daemon.load()
         daemon.close()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, [True], {"on": True}])
+def test_a_speculative_field_that_is_not_a_boolean_is_a_400(tmp_path, tiny_model_dir, value):
+    config = speculative_config(tmp_path, tiny_model_dir, 'drafter = "prompt_lookup"')
+    with app_client(config) as (client, _):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "speculative": value}
+        response = client.post("/v1/chat/completions", json=body)
+        if value is None:  # JSON null: the server's default
+            assert response.status_code == 200
+        else:
+            assert response.status_code == 400 and response.json()["error"]["param"] == "speculative"
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                     "speculative": False}).status_code == 200

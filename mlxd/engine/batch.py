@@ -285,8 +285,9 @@ class DecodeBatch:
         rows = [[layer.extract(i) for i in range(len(self.rows))] for layer in self.cache]
         self.cache = [layer[0].merge(layer) for layer in rows]
 
-    def position_inputs(self, width: int = 1) -> dict[str, mx.array]:
-        """Per-row position inputs of the next forward pass (``width`` positions a row): multimodal RoPE offsets."""
+    def position_inputs(self) -> dict[str, mx.array]:
+        """Per-row position inputs of the next forward pass (any number of positions a row): multimodal RoPE
+        offsets."""
         if not self.uses_rope_deltas:
             return {}
         if self._rope_deltas is None:

@@ -94,7 +94,7 @@ def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]
     blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
     inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
     previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}
-    raw, hidden, transaction = verify_forward(batch.model, inputs, batch.cache, **batch.position_inputs(width))
+    raw, hidden, transaction = verify_forward(batch.model, inputs, batch.cache, **batch.position_inputs())
     try:
         checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
         started = time.perf_counter()

@@ -16,7 +16,7 @@ after ``k`` acceptances from the next position's ``p``. Each emitted token is th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -70,7 +70,6 @@ class SpecState:
     plain_steps: int = 0
     backoffs: int = 0
     drafter_s: float = 0.0
-    last_drafted: int = field(default=0, repr=False)
 
     @classmethod
     def for_request(cls, mode: Speculative, drafter: Any, prompt: list[int], max_tokens: int, *,
@@ -109,7 +108,6 @@ class SpecState:
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """After a step in which the row drafted ``drafted`` tokens and the model kept ``accepted`` of them."""
-        self.last_drafted = drafted
         self.emitted += emitted
         self.remaining -= emitted
         if drafted == 0:
