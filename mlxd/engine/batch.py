@@ -23,6 +23,7 @@ random state pointing at a broken array; ``reset_random_state`` replaces it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -35,11 +36,17 @@ from mlxd.engine.stepcosts import StepCosts
 from mlxd.engine.target import forward
 
 
-def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start: int = 0) -> mx.array | None:
+def same(tokens: mx.array) -> mx.array:
+    """Sampled tokens as they are (one process); a distributed group replaces them with rank 0's."""
+    return tokens
+
+
+def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start: int = 0,
+                   share: Callable[[mx.array], mx.array] = same) -> mx.array | None:
     """Run one prompt chunk, which starts at prompt position ``start``, through the model into the row's cache.
 
-    For the last chunk, sample the first generated token and return it (a lazy ``(1,)`` array); otherwise evaluate
-    the cache and return ``None``.
+    For the last chunk, sample the first generated token and return it (a lazy ``(1,)`` array, passed through
+    ``share``); otherwise evaluate the cache and return ``None``.
     """
     inputs = mx.array(tokens, dtype=mx.uint32)
     logits, hidden = forward(model, inputs[None], row.cache, hidden=row.wants_hidden,
@@ -54,7 +61,7 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start
     raw = logits[:, -1, :]
     logits = row.process(inputs, raw)
     logprobs = logits - mx.logsumexp(logits, keepdims=True)
-    first = row.sampler(logprobs)
+    first = share(row.sampler(logprobs))
     capture_logprobs([row], raw, first)
     mx.async_eval(first)
     return first
@@ -70,7 +77,8 @@ def can_batch_prompts(rows: list[Row]) -> bool:
                                  for row in rows for c in row.cache)
 
 
-def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tuple[list[Any], mx.array]:
+def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
+                    share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
     """Run several whole prompts (rows with empty caches) through the model in one left-padded forward pass.
 
     Returns the batched cache (rows in order) and the first generated token of each row, sampled lazily.
@@ -92,7 +100,7 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]]) -> tu
     if any(row.processors for row in rows):
         logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
                                  for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
-    first = sample(rows, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    first = share(sample(rows, logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
     capture_logprobs(rows, raw, first)
     mx.async_eval(first)
     for row in rows:
@@ -111,8 +119,10 @@ def sample(rows: list[Row], logprobs: mx.array) -> mx.array:
 class DecodeBatch:
     """The decoding requests, advanced together by :meth:`step`, one token each."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, share: Callable[[mx.array], mx.array] = same) -> None:
         self.model = model
+        # What every sampled token array passes through before it is fed or read (see :func:`same`).
+        self.share = share
         self.rows: list[Row] = []
         self.cache: list[Any] = []
         # The tokens each row feeds into the next forward pass: sampled, not necessarily evaluated yet.
@@ -259,11 +269,11 @@ class DecodeBatch:
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         try:
-            self.inputs = sample(self.rows, logprobs)
+            self.inputs = self.share(sample(self.rows, logprobs))
             capture_logprobs(self.rows, raw, self.inputs)
             mx.async_eval(self.inputs, *(row.pending_logprobs for row in self.rows if row.pending_logprobs))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
-            self.inputs = self._sample_each(logprobs)
+            self.inputs = self.share(self._sample_each(logprobs))
             capture_logprobs(self.rows, raw, self.inputs)
         self.logprobs = {request_id: [read_logprobs(arrays)] for request_id, arrays in previous.items()}
         started = time.perf_counter()

@@ -44,7 +44,7 @@ from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.row import Refused, Row, check_request, logits_width, make_request_cache, reset_random_state
 from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.scheduler import prompts_to_batch
+from mlxd.engine.scheduler import SequenceState, StepPlan, prompts_to_batch
 from mlxd.engine.spec_step import check_drafter
 from mlxd.engine.speculation import SpecState
 from mlxd.engine.steptimes import StepTimes
@@ -66,6 +66,10 @@ _FAILED = {
 
 class BatchedEngine(EngineFront):
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
+
+    # A group of prompts whose shared pass failed is retried one prompt at a time (not in a distributed group,
+    # where the other ranks cannot follow a retry).
+    _retry_groups = True
 
     def __init__(self, model: Any, config: EngineConfig, *,
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
@@ -113,7 +117,7 @@ class BatchedEngine(EngineFront):
                 if self.scheduler.has_work:
                     self.step()
                 else:
-                    mx.clear_cache()  # idle: give the freed buffers back
+                    self._idle()
                 self._send()
         finally:
             self._send()
@@ -132,11 +136,15 @@ class BatchedEngine(EngineFront):
             check_drafter(self.drafter, self.model, self.config, self.vocab_size)
         warm_up_shapes(self.model, self.config)
 
+    def _idle(self) -> None:
+        mx.clear_cache()  # idle: give the freed buffers back
+
     def _apply_inbox(self, block: bool) -> bool:
-        """Apply queued commands; return False once asked to stop."""
+        """Apply queued commands; return False once asked to stop. Blocks for at most ``_idle_wait_s`` (None:
+        until a command comes) when ``block``."""
         while True:
             try:
-                command, arg = self._inbox.get(block=block)
+                command, arg = self._inbox.get(block=block, timeout=self._idle_wait_s if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -151,7 +159,10 @@ class BatchedEngine(EngineFront):
                 self._end_all(arg)
             elif command == "clear_cache":
                 loop, future = arg
-                loop.call_soon_threadsafe(future.set_result, self.reuse.clear())
+                loop.call_soon_threadsafe(future.set_result, self._clear_prefix_cache())
+
+    def _clear_prefix_cache(self) -> dict[str, Any]:
+        return self.reuse.clear()
 
     def _accept(self, submitted: Submitted) -> None:
         request_id = submitted.request.request_id
@@ -192,11 +203,20 @@ class BatchedEngine(EngineFront):
         """One engine step: schedule → run the batch → post-process (each phase timed: :mod:`.steptimes`)."""
         clock = self.step_times
         clock.start()
+        plan, together = self._plan_step()
+        clock.lap("schedule")
+        self._run_plan(plan, together)
+
+    def _plan_step(self) -> tuple[StepPlan, list[SequenceState]]:
+        """This step's plan (the scheduler's), and the whole short prompts that share one forward pass (not
+        where snapshots must land on checkpoints)."""
         self._make_room()
         plan = self.scheduler.schedule()
-        clock.lap("schedule")
-        # Whole short prompts share a forward pass, except where snapshots must land on checkpoints.
-        together = prompts_to_batch(plan.prefill) if self._trimmable else []
+        return plan, prompts_to_batch(plan.prefill) if self._trimmable else []
+
+    def _run_plan(self, plan: StepPlan, together: list[SequenceState]) -> None:
+        """Run a planned step: its prompt chunks, the decode step, then post-processing."""
+        clock = self.step_times
         for state, num_tokens in plan.prefill:
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
@@ -211,16 +231,20 @@ class BatchedEngine(EngineFront):
         clock.lap("post_process")
         self.totals["num_steps"] += 1
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> int | None:
         """The prefix cache gives way first: it keeps what the running requests (and the head of the queue, when
-        it can then be admitted) leave of the memory budget; the requests may reserve the rest."""
+        it can then be admitted) leave of the memory budget; the requests may reserve the rest. Returns the bytes
+        the prefix cache was shrunk to, None when it was not."""
         if self.memory is None:
-            return
+            return None
         budget = self.memory.kv_budget_bytes
         room = budget - self.scheduler.num_bytes_needed(budget)
+        shrunk = None
         if self.reuse.num_bytes > room:
             self.reuse.shrink(room)
+            shrunk = room
         self.scheduler.kv_budget_bytes = budget - self.reuse.num_bytes
+        return shrunk
 
     def _prefill(self, submitted: Submitted, num_tokens: int) -> None:
         """Process one prompt chunk; a request whose prompt is complete joins the decode batch."""
@@ -234,7 +258,7 @@ class BatchedEngine(EngineFront):
         end = start + num_tokens
         try:
             first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt),
-                                   start=start)
+                                   start=start, share=self.batch.share)
             if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
                 self.reuse.keep(submitted.cache_key[:end], row.cache)
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
@@ -263,8 +287,11 @@ class BatchedEngine(EngineFront):
                 self._prefill(submitted, submitted.state.num_prompt_tokens)
             return
         try:
-            cache, first = process_prompts(self.model, rows, [s.request.prompt for s in group])
+            cache, first = process_prompts(self.model, rows, [s.request.prompt for s in group],
+                                           share=self.batch.share)
         except Exception as e:  # noqa: BLE001 - retried one by one; a request that fails again is reported
+            if not self._retry_groups:
+                raise
             log.warning("prompt_group_failed", request_ids=[s.request.request_id for s in group],
                         error_type=type(e).__name__, error=str(e))
             reset_random_state()

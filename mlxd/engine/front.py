@@ -57,6 +57,7 @@ class EngineFront:
             step_token_budget=config.step_token_budget,
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._idle_wait_s: float | None = None  # while idle, the engine thread wakes this often (None: never)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
