@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ assembled from a TOML config.
                                                  non-zero naming the file, stage and field on errors
   mlxd --config FILE --log-file PATH             append log lines to PATH instead of stderr (SIGHUP reopens
                                                  it and re-reads the file's [logging] table)
+  mlxd launch --config FILE                      start every rank of the file's [distributed] job through
+                                                 mlx.launch (rank 0 serves HTTP); `mlxd --config FILE` run by
+                                                 mlx.launch directly works too
   mlxd service install|uninstall|print --config FILE
                                                  write a launchd plist (macOS) or a systemd unit (Linux) that
                                                  runs this mlxd with FILE; see `mlxd service --help`
@@ -119,10 +123,27 @@ def serve(argv: list[str]) -> int:
         configure_logging(config.logging.level, config.logging.format, file=args.log_file)
     except OSError as e:
         raise ConfigError(f"--log-file {args.log_file}: cannot open it: {e.strerror or e}") from e
+    base_dir = args.config.resolve().parent
+    group = None
+    if config.distributed is not None:
+        from mlxd.engine.distributed import init_group
+
+        group = init_group(config.distributed)
+        if group.rank() != 0:
+            from mlxd.daemon import run_follower
+
+            get_logger("mlxd").info("starting", config=str(args.config), rank=group.rank(), size=group.size())
+            os._exit(run_follower(config, group, base_dir))  # threads blocked in a collective must not hold exit
     get_logger("mlxd").info("starting", config=str(args.config), host=server.host, port=server.port,
-                            pipeline=[name for name, _ in pipeline.stages])
-    daemon = Daemon(config, pipeline, base_dir=args.config.resolve().parent)
-    return run_server(create_app(daemon), daemon, config_path=args.config)
+                            pipeline=[name for name, _ in pipeline.stages],
+                            **({"rank": 0, "size": group.size()} if group is not None else {}))
+    daemon = Daemon(config, pipeline, base_dir=base_dir, group=group)
+    code = run_server(create_app(daemon), daemon, config_path=args.config)
+    if group is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the engine thread may be blocked inside a collective with a rank that is gone
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "check-config":
             return check_config(argv[1:])
+        if argv and argv[0] == "launch":
+            from mlxd.launch import main as launch_main
+
+            return launch_main(argv[1:])
         if argv and argv[0] == "service":
             from mlxd.service import main as service_main
 

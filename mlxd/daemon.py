@@ -41,10 +41,12 @@ class Daemon:
     """
 
     def __init__(self, config: DaemonConfig, pipeline: Pipeline, base_dir: Path | None = None, *,
-                 make_engine: Callable[[Any, Any, Any], Any] | None = None) -> None:
+                 make_engine: Callable[[Any, Any, Any], Any] | None = None, group: Any = None) -> None:
         """``make_engine(engine_config, model, drafter)`` builds the engine (``mlxd.engine.factory.make_engine`` by
-        default; tests pass engines around test doubles)."""
+        default; tests pass engines around test doubles). ``group``: the distributed group this process is rank 0
+        of (``[distributed]``), None for one process."""
         self.config = config
+        self.group = group
         self._make_engine = make_engine
         self.pipeline = pipeline
         self.base_dir = base_dir
@@ -103,10 +105,16 @@ class Daemon:
         from mlxd.runtime.blas import mapped_blas, reference_blas_warning
 
         started = time.monotonic()
-        loaded = load(self.config.model, self.base_dir)
+        loaded = load(self.config.model, self.base_dir, group=self.group)
         tokenizer = loaded.tokenizer
-        drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
-        self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
+        if self.group is not None:
+            from mlxd.engine.distributed import Channel, LeaderEngine
+
+            self.engine = LeaderEngine(loaded.model, self.config.engine, channel=Channel(self.group),
+                                       settings=self.config.distributed)
+        else:
+            drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
+            self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
         self.engine.on_failure = self._engine_failed
         self.engine.start()
         self.model_info = ModelInfo(
@@ -220,3 +228,29 @@ class Daemon:
         aliases = f" or a name matching {self.config.model.aliases}" if self.config.model.aliases else ""
         shown = requested if len(requested) <= 64 else requested[:64] + "…"  # never echo a huge value back
         raise ModelNotFound(f"model {shown!r} is not served here; use {self.name!r}{aliases}", param="model")
+
+
+def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None) -> int:
+    """A rank other than 0 of a ``[distributed]`` job: load this rank's shard and run rank 0's steps until it
+    stops (0). Exits non-zero (1) when the group breaks or the ranks disagree. It ignores SIGTERM and SIGINT: the
+    job ends through rank 0, which drains first and then tells every rank to stop."""
+    import signal
+
+    from mlxd.engine.distributed import Channel, FollowerEngine
+    from mlxd.models.load import load
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    rank = group.rank()
+    try:
+        loaded = load(config.model, base_dir, group=group)
+        engine = FollowerEngine(loaded.model, config.engine, channel=Channel(group), settings=config.distributed)
+        code = engine.run()
+    except MlxdError as e:
+        log.error("follower_failed", rank=rank, error=e.message)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the job must end; why goes to the log
+        log.error("follower_failed", rank=rank, error_type=type(e).__name__, error=str(e))
+        return 1
+    log.info("shutdown", rank=rank, reason="rank 0 stopped the job")
+    return code

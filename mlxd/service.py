@@ -77,8 +77,10 @@ def mlxd_command() -> list[str]:
     return [str(python), "-m", "mlxd"]
 
 
-def build_spec(args: argparse.Namespace, drain_timeout_s: float) -> ServiceSpec:
-    """The service for ``args`` (parsed by :func:`parser`) and a config whose drain takes ``drain_timeout_s``."""
+def build_spec(args: argparse.Namespace, drain_timeout_s: float, distributed: bool = False) -> ServiceSpec:
+    """The service for ``args`` (parsed by :func:`parser`) and a config whose drain takes ``drain_timeout_s``;
+    ``distributed``: the config has ``[distributed]``, so the service runs ``mlxd launch`` (every rank; their log
+    lines go to the service's output)."""
     config = args.config.resolve()
     name = args.name or DEFAULT_NAMES[args.platform]
     log_file = args.log_file.expanduser().absolute() if args.log_file else None
@@ -87,8 +89,8 @@ def build_spec(args: argparse.Namespace, drain_timeout_s: float) -> ServiceSpec:
         logs = Path("/Library/Logs") if args.system else Path.home() / "Library" / "Logs"
         log_file = log_file or logs / f"{name}.log"
         stderr_file = log_file.with_name(f"{log_file.stem}.stderr.log")
-    command = [*mlxd_command(), "--config", str(config)]
-    if log_file is not None:
+    command = [*mlxd_command(), *(["launch"] if distributed else []), "--config", str(config)]
+    if log_file is not None and not distributed:
         command += ["--log-file", str(log_file)]
     environment = {}
     if os.environ.get("MLXD_CACHE_DIR"):
@@ -244,11 +246,11 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     args = parser().parse_args(argv)
-    drain_timeout_s = 0.0
+    drain_timeout_s, distributed = 0.0, False
     if args.action != "uninstall":
         config, _ = load_everything(args.config)
-        drain_timeout_s = config.server.drain_timeout_s
-    spec = build_spec(args, drain_timeout_s)
+        drain_timeout_s, distributed = config.server.drain_timeout_s, config.distributed is not None
+    spec = build_spec(args, drain_timeout_s, distributed)
     if args.action == "print":
         out.write(render(spec).decode())
         return 0

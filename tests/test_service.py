@@ -201,3 +201,11 @@ def test_the_example_files_are_what_the_command_writes():
         return [line for line in text.splitlines() if not line.startswith("#")]
 
     assert settings((root / "launchd" / "mlxd.service").read_text()) == settings(render(unit).decode())
+
+
+def test_a_distributed_config_runs_every_rank_through_mlxd_launch(config, tmp_path):
+    config.write_text(config.read_text() + '\n[distributed]\nbackend = "ring"\n')
+    job = plistlib.loads(run("print", "--platform", "macos", "--config", str(config)).encode())
+    assert job["ProgramArguments"] == [this_mlxd(), "launch", "--config", str(config.resolve())]
+    unit = run("print", "--platform", "linux", "--config", str(config))
+    assert f"ExecStart={this_mlxd()} launch --config {config.resolve()}" in unit

@@ -49,7 +49,24 @@ def convert(data: Any, schema: type, source: str) -> Any:
 def load_config(path: str | Path) -> DaemonConfig:
     """Read and validate a daemon config file. Raises ``ConfigError`` naming the file and field."""
     path = Path(path)
-    return convert(read_toml(path), DaemonConfig, str(path))
+    config = convert(read_toml(path), DaemonConfig, str(path))
+    check_distributed(config, str(path))
+    return config
+
+
+def check_distributed(config: DaemonConfig, source: str) -> None:
+    """What ``[distributed]`` cannot be combined with, named by field."""
+    settings = config.distributed
+    if settings is None:
+        return
+    if config.engine.speculative.drafter != "none":
+        raise ConfigError(f"{source}: engine.speculative.drafter: [distributed] does not run speculative decoding; "
+                          "set it to \"none\"")
+    if settings.hosts and settings.hostfile:
+        raise ConfigError(f"{source}: distributed.hosts: give hosts or hostfile, not both")
+    if settings.hosts and len(settings.hosts) != settings.tensor_parallel:
+        raise ConfigError(f"{source}: distributed.hosts: {len(settings.hosts)} hosts (one per rank) but "
+                          f"tensor_parallel = {settings.tensor_parallel}")
 
 
 BUILTIN_PIPELINES = resources.files("mlxd") / "pipelines"

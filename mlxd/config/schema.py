@@ -139,6 +139,29 @@ class LoggingConfig(Base):
     format: Literal["auto", "json", "console"] = "auto"
 
 
+class DistributedConfig(Base):
+    """One model over several processes, machines or GPUs (``mlx.core.distributed``), tensor-parallel: every rank
+    holds a shard of each layer; rank 0 serves HTTP and schedules, the others run what it broadcasts
+    (:mod:`mlxd.engine.distributed`). ``mlxd launch --config FILE`` starts every rank through ``mlx.launch``."""
+
+    # MLX's backend: "ring" (TCP, Thunderbolt), "jaccl" (RDMA), "mpi", "nccl" (CUDA GPUs), "any" (MLX picks).
+    backend: Literal["ring", "jaccl", "mpi", "nccl", "any"] = "any"
+    # One entry per rank for `mlxd launch` (mlx.launch --hosts): IP addresses for ring; empty with no hostfile:
+    # `tensor_parallel` processes on this machine.
+    hosts: list[str] = []
+    # Or a hostfile in the format mlx.launch reads (relative to the config's folder).
+    hostfile: str = ""
+    # ring: the first TCP port (mlx.launch --starting-port, one more per rank); 0: mlx.launch's default (32323).
+    starting_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    # Ranks sharing each layer: the group's size, checked at start-up.
+    tensor_parallel: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # Rank 0's watchdog: a step (a collective with a peer that died can block forever) that runs longer than
+    # this ends every request with an error and the process, non-zero.
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    # While idle, rank 0 pings the group this often, so that a lost rank is noticed without traffic.
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+
 class PipelineSpec(Base):
     """Inline stages: each a table with ``type`` plus that stage's options, validated by the stage itself."""
 
@@ -151,6 +174,8 @@ class DaemonConfig(Base):
     engine: EngineConfig = EngineConfig()
     logging: LoggingConfig = LoggingConfig()
     vision: VisionConfig = VisionConfig()
+    # Absent: one process. Present: a tensor-parallel group (mlxd/engine/distributed.py).
+    distributed: DistributedConfig | None = None
     # A pipeline name (pipelines/NAME.toml beside the config, else the built-in mlxd/pipelines/NAME.toml), a path
     # to a pipeline TOML file, or inline [[pipeline.stages]].
     pipeline: str | PipelineSpec = "chat"

@@ -104,10 +104,17 @@ def choose_dtype(requested: str) -> str | None:
     return "float32" if on_linux_cpu else None
 
 
-def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
-    """Load the configured model and tokenizer. Raises ``ModelLoadError`` with a readable reason."""
+def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -> LoadedModel:
+    """Load the configured model and tokenizer. Raises ``ModelLoadError`` with a readable reason.
+
+    ``group``: an ``mlx.core.distributed`` group to shard the model over, tensor-parallel (text models whose
+    mlx-lm class has ``shard``): each rank materializes its shard only.
+    """
     folder = resolve_source(config.source, base_dir)
     kind = detect_kind(folder, config.kind)
+    if group is not None and kind == "vision":
+        raise ModelLoadError(f"{folder} is a vision model, and [distributed] serves text models only (serve it with "
+                             "[model] kind = \"text\", or without [distributed])")
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
@@ -117,11 +124,14 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
 
         model, tokenizer, processor, model_config = load_vision(folder)
     else:
-        model, tokenizer, model_config = _load_text(folder)
+        model, tokenizer, model_config = _load_text(folder, lazy=group is not None)
     dtype = choose_dtype(config.dtype)
     if dtype is not None:
         model = dequantize_model(model)
         model.set_dtype(getattr(mx, dtype))
+    if group is not None:
+        shard(model, group)
+    if dtype is not None or group is not None:
         mx.eval(model.parameters())
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
@@ -129,15 +139,27 @@ def load(config: ModelConfig, base_dir: Path | None = None) -> LoadedModel:
     return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model), processor)
 
 
-def _load_text(folder: Path) -> tuple[Any, Any, dict]:
+def _load_text(folder: Path, lazy: bool = False) -> tuple[Any, Any, dict]:
     """mlx-lm's model for the folder; for a vision checkpoint, mlx-lm's text model of that family, which keeps the
-    language weights only (the vision tower is never loaded)."""
+    language weights only (the vision tower is never loaded). ``lazy``: weights are read when first evaluated."""
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
-        return mlx_lm_load(str(folder), return_config=True)
+        return mlx_lm_load(str(folder), lazy=lazy, return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+
+
+def shard(model: Any, group: Any) -> None:
+    """Tensor parallelism through mlx-lm's own ``Model.shard``: attention heads and MLP columns split over the
+    group's ranks, their outputs summed across it in each layer."""
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(f"mlx-lm has no tensor-parallel sharding for {type(model).__module__} (no "
+                             "Model.shard): it cannot be served with [distributed]")
+    try:
+        model.shard(group)
+    except (ValueError, AssertionError) as e:
+        raise ModelLoadError(f"the model cannot be split over {group.size()} ranks: {e}") from e
 
 
 def choose_context_length(configured: int, trained: int) -> int:

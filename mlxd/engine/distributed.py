@@ -1,0 +1,432 @@
+"""One model over a tensor-parallel group (``mlx.core.distributed``): rank 0 plans, every rank runs the plan.
+
+Every rank holds a shard of each layer (mlx-lm's ``model.shard(group)``) and must run the same forward passes in
+the same order: each pass sums partial results across the group. Rank 0 (:class:`LeaderEngine`) serves HTTP and
+runs the scheduler; before each step it broadcasts what changed and what to run (:class:`Message`):
+
+- commands, in the order rank 0 applied them: requests accepted (``Submit``, the request without its callables),
+  snapshots kept for later turns (``Keep``), requests let go (``Drop``: finished, cancelled, timed out), the
+  prefix cache cleared or shrunk (``Clear``, ``Shrink``: evictions are decided on rank 0), ``EndAll``, ``Stop``;
+- the step: which prompt chunks run (and which whole prompts share a pass); every rank then runs its decode step.
+
+The other ranks (:class:`FollowerEngine`) apply the commands and run the step with the same engine code, so their
+rows, caches and prefix caches stay identical to rank 0's, shard for shard; a digest of that state travels with
+each message and a follower that differs stops. Tokens are sampled on rank 0 and shared inside the step's graph
+(:meth:`Channel.share_tokens`), so nothing sampled elsewhere is ever fed. Messages go over the group's own
+collectives (an ``all_gather`` of a small header, then an ``all_sum`` of the bytes): no transport of our own.
+
+Failure: a step that fails on one rank cannot be known to have failed on the others, so any error inside a step
+ends the job (the process exits non-zero; launchd or systemd restarts it), except requests refused by checks
+every rank makes alike. A peer that dies can leave rank 0 blocked inside a collective: :class:`Watchdog` ends
+every request with an error after ``step_timeout_s`` and calls the engine's ``on_failure``. A follower that hears
+nothing for longer than that (rank 0 pings while idle) exits non-zero too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from mlxd.config.schema import DistributedConfig, EngineConfig
+from mlxd.engine.base import EngineRequest, SamplingParams
+from mlxd.engine.batch import DecodeBatch
+from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.front import Submitted
+from mlxd.engine.row import Refused
+from mlxd.engine.scheduler import SequenceState, StepPlan
+from mlxd.errors import ModelLoadError
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.distributed")
+
+
+class DistributedFault(RuntimeError):
+    """The ranks can no longer be known to agree: the job must end."""
+
+
+# ---- messages ----
+
+class RequestSpec(msgspec.Struct, array_like=True):
+    """What every rank needs of a request to run its rows: no callables, no images (refused at start-up)."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    prefill_chunk: int
+    checkpoints: tuple[int, ...]
+    keep_prompt: bool
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> RequestSpec:
+        return cls(request.request_id, request.prompt, request.max_tokens, request.sampling, request.prefill_chunk,
+                   request.checkpoints, request.keep_prompt)
+
+    def request(self) -> EngineRequest:
+        return EngineRequest(request_id=self.request_id, prompt=self.prompt, max_tokens=self.max_tokens,
+                             sampling=self.sampling, prefill_chunk=self.prefill_chunk,
+                             checkpoints=self.checkpoints, keep_prompt=self.keep_prompt)
+
+
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    spec: RequestSpec
+
+
+class Keep(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class Drop(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+
+
+class Clear(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Shrink(msgspec.Struct, tag=True, array_like=True):
+    num_bytes: int
+
+
+class EndAll(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = Submit | Keep | Drop | Clear | Shrink | EndAll | Stop
+
+
+class Step(msgspec.Struct, array_like=True):
+    prefill: list[tuple[str, int]]  # (request id, prompt tokens to process)
+    together: list[str]  # the whole prompts among them that share one forward pass
+
+
+class Message(msgspec.Struct, array_like=True):
+    commands: list[Command]
+    step: Step | None
+    digest: tuple[int, ...]  # rank 0's state once the commands are applied (see BatchedEngine digest below)
+
+
+_encoder, _decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
+
+
+# ---- the group ----
+
+def init_group(config: DistributedConfig) -> Any:
+    """Join the group ``mlx.launch`` (or a hostfile's environment) set up; its size must be ``tensor_parallel``."""
+    backend = "any" if config.backend == "any" else config.backend
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"[distributed] backend {config.backend!r}: cannot join the group ({e}); start the "
+                             "ranks with `mlxd launch --config FILE` or under mlx.launch") from e
+    if group.size() != config.tensor_parallel:
+        raise ModelLoadError(f"[distributed] tensor_parallel = {config.tensor_parallel}, but the group has "
+                             f"{group.size()} ranks: launch as many ranks as tensor_parallel")
+    return group
+
+
+# Per-rank numbers that travel in every message's header (KiB where bytes: int32 everywhere).
+_STATS = ("pid", "active_kib", "peak_kib", "cache_kib", "prefix_entries", "prefix_kib", "prefix_hits")
+
+
+class Channel:
+    """Rank 0's messages to the group, and the group's sampled tokens, over MLX collectives."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def exchange(self, message: Message | None, stats: list[int]) -> tuple[Message | None, list[dict[str, int]]]:
+        """Rank 0 sends ``message`` (the others pass None and get it); every rank's ``stats`` come back to all."""
+        payload = _encoder.encode(message) if self.rank == 0 and message is not None else b""
+        header = mx.array([[len(payload), *stats]], dtype=mx.int32)
+        gathered = mx.distributed.all_gather(header, group=self.group).tolist()
+        size = gathered[0][0]
+        peers = [dict(zip(_STATS, row[1:], strict=True)) for row in gathered]
+        if not size:
+            return None, peers
+        words = -(-size // 4)
+        if self.rank == 0:
+            mine = np.frombuffer(payload.ljust(4 * words, b"\0"), dtype=np.int32)
+            data = mx.distributed.all_sum(mx.array(mine), group=self.group)
+        else:
+            data = mx.distributed.all_sum(mx.zeros((words,), dtype=mx.int32), group=self.group)
+        received = np.array(data).tobytes()[:size]
+        return (message if self.rank == 0 else _decoder.decode(received)), peers
+
+    def share_tokens(self, tokens: mx.array) -> mx.array:
+        """Rank 0's sampled tokens on every rank, lazily, as part of the step's graph. The others' own samples are
+        multiplied by zero (not dropped: that keeps their forward pass, and its collectives, in the graph)."""
+        mine = tokens.astype(mx.int32)
+        if self.rank != 0:
+            mine = mine * 0
+        return mx.distributed.all_sum(mine, group=self.group).astype(tokens.dtype)
+
+
+def rank_stats(engine: BatchedEngine) -> list[int]:
+    prefix = engine.reuse.stats()
+    kib = 1024
+    return [os.getpid(), mx.get_active_memory() // kib, mx.get_peak_memory() // kib, mx.get_cache_memory() // kib,
+            prefix.get("num_entries", 0), prefix.get("num_bytes", 0) // kib, prefix.get("num_hits", 0)]
+
+
+def state_digest(engine: BatchedEngine) -> tuple[int, ...]:
+    """What must be equal on every rank between steps: rows, requests, prefix-cache entries and bytes."""
+    return (len(engine.batch), len(engine._requests), len(engine._prefilling), engine.reuse.num_bytes,
+            engine.reuse.stats().get("num_entries", 0))
+
+
+def check_distributable(model: Any, kind: str, engine: EngineConfig) -> None:
+    """Refuse, at start-up, what a tensor-parallel group does not run."""
+    if kind == "vision":
+        raise ModelLoadError("[distributed] serves text models only: this is a vision model (serve it with "
+                             "[model] kind = \"text\", or without [distributed])")
+    if engine.speculative.drafter != "none":
+        raise ModelLoadError("[distributed] does not run speculative decoding: set [engine.speculative] drafter = "
+                             "\"none\"")
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(f"{type(model).__module__}: mlx-lm has no tensor-parallel sharding for this model "
+                             "family (no Model.shard)")
+
+
+# ---- rank 0 ----
+
+class LeaderEngine(BatchedEngine):
+    """The batching engine on rank 0: plans as usual, and broadcasts each step (see the module docstring)."""
+
+    _retry_groups = False
+
+    def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig,
+                 **kwargs: Any) -> None:
+        super().__init__(model, config, **kwargs)
+        self.channel, self.settings = channel, settings
+        self.batch = DecodeBatch(model, share=channel.share_tokens)
+        self._idle_wait_s = settings.heartbeat_s
+        self._commands: list[Command] = []
+        self._last_sent = time.monotonic()
+        self.peers: list[dict[str, int]] = []
+        self.busy_since: float | None = None  # when the current step or message started (the watchdog reads it)
+        self.hostname = socket.gethostname()
+
+    def start(self) -> None:
+        super().start()
+        Watchdog(self).start()
+
+    def stop(self) -> None:
+        if self.failure is not None:
+            return  # the engine thread may be blocked inside a collective for good: do not wait for it
+        super().stop()
+
+    def _warm_up(self) -> None:
+        super()._warm_up()
+        self._publish(None)  # every rank is up and warm before /health turns 200; their numbers are in
+
+    def _publish(self, step: Step | None) -> None:
+        message = Message(self._commands, step, state_digest(self))
+        self._commands = []
+        _, self.peers = self.channel.exchange(message, rank_stats(self))
+        self._last_sent = time.monotonic()
+
+    def _serve(self) -> None:
+        super()._serve()
+        if self._startup_error is None and self.failure is None:
+            self._commands.append(Stop())
+            self._publish(None)
+
+    def _idle(self) -> None:
+        if self._commands or time.monotonic() - self._last_sent >= self.settings.heartbeat_s:
+            self.busy_since = time.monotonic()
+            self._publish(None)
+            self.busy_since = None
+        super()._idle()
+
+    def step(self) -> None:
+        self.busy_since = time.monotonic()
+        super().step()
+        self.busy_since = None
+
+    def _plan_step(self) -> tuple[StepPlan, list[SequenceState]]:
+        plan, together = super()._plan_step()
+        self._publish(Step([(state.request_id, n) for state, n in plan.prefill],
+                           [state.request_id for state in together]))
+        return plan, together
+
+    def _make_room(self) -> int | None:
+        shrunk = super()._make_room()
+        if shrunk is not None:
+            self._commands.append(Shrink(shrunk))
+        return shrunk
+
+    def _accept(self, submitted: Submitted) -> None:
+        with self._lock:
+            known = submitted.request.request_id in self._pending
+        if known:
+            self._commands.append(Submit(RequestSpec.of(submitted.request)))
+        super()._accept(submitted)
+
+    def _keep_decoded(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._commands.append(Keep(request_id))
+        super()._keep_decoded(request_id)
+
+    def _release(self, request_id: str) -> Submitted | None:
+        if request_id in self._requests:
+            self._commands.append(Drop(request_id))
+        return super()._release(request_id)
+
+    def _clear_prefix_cache(self) -> dict[str, Any]:
+        self._commands.append(Clear())
+        return super()._clear_prefix_cache()
+
+    def _end_all(self, message: str) -> None:
+        self._commands.append(EndAll())
+        super()._end_all(message)
+
+    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
+        if not isinstance(error, Refused):  # only rank 0 saw it: the ranks may now disagree
+            raise DistributedFault(f"a request failed in the {phase} phase on rank 0 ({type(error).__name__}: "
+                                   f"{error}); the other ranks cannot follow") from error
+        super()._fail(request_id, phase, error)
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        status["distributed"] = group_status(self)
+        return status
+
+
+def group_status(engine: LeaderEngine) -> dict[str, Any]:
+    ranks = [{"rank": i, "role": "leader: HTTP, scheduler, sampling" if i == 0 else "follower: runs rank 0's steps",
+              **peer} for i, peer in enumerate(engine.peers)]
+    return {"backend": engine.settings.backend, "size": engine.channel.size,
+            "tensor_parallel": engine.settings.tensor_parallel, "host": engine.hostname, "ranks": ranks}
+
+
+class Watchdog(threading.Thread):
+    """Rank 0: a step or message blocked longer than ``step_timeout_s`` (a peer died or hangs inside a
+    collective) ends every request with an error and the job, through the engine's ``on_failure``."""
+
+    def __init__(self, engine: LeaderEngine) -> None:
+        super().__init__(name="mlxd-watchdog", daemon=True)
+        self.engine = engine
+        self.limit = engine.settings.step_timeout_s
+
+    def run(self) -> None:
+        engine = self.engine
+        while engine.failure is None:
+            time.sleep(min(1.0, self.limit / 4))
+            since = engine.busy_since
+            if since is None or time.monotonic() - since <= self.limit:
+                continue
+            reason = (f"rank 0 waited more than {self.limit:g} s for the group (a rank died or hangs); the job "
+                      "ends so that it can be restarted")
+            log.error("distributed_watchdog", reason=reason)
+            with engine._lock:
+                engine.failure = reason
+            engine._end_all(f"the engine has stopped ({reason})")
+            engine._send()
+            if engine.on_failure is not None:
+                engine.on_failure(reason)
+            return
+
+
+# ---- the other ranks ----
+
+class FollowerEngine(BatchedEngine):
+    """A rank other than 0: no HTTP, no scheduler decisions; applies rank 0's messages and runs its steps."""
+
+    _retry_groups = False
+
+    def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig) -> None:
+        super().__init__(model, config)
+        self.channel, self.settings = channel, settings
+        self.batch = DecodeBatch(model, share=channel.share_tokens)
+        self.last_heard = time.monotonic()
+
+    def run(self) -> int:
+        """Serve rank 0 until it says stop (0); raises when the group breaks or the ranks disagree."""
+        with mx.stream(generation_stream):
+            self._warm_up()
+            log.info("follower_ready", rank=self.channel.rank, size=self.channel.size)
+            threading.Thread(target=self._watch, name="mlxd-follower-watchdog", daemon=True).start()
+            while True:
+                message, _ = self.channel.exchange(None, rank_stats(self))
+                self.last_heard = time.monotonic()
+                if message is None:
+                    continue
+                if not self._apply(message.commands):
+                    return 0
+                if state_digest(self) != tuple(message.digest):
+                    raise DistributedFault(f"rank {self.channel.rank} differs from rank 0: {state_digest(self)} "
+                                           f"against {tuple(message.digest)}")
+                if message.step is not None:
+                    self._run_plan(*self._plan(message.step))
+
+    def _watch(self) -> None:
+        limit = self.settings.step_timeout_s + 3 * self.settings.heartbeat_s
+        while True:
+            time.sleep(1.0)
+            if time.monotonic() - self.last_heard > limit:
+                log.error("distributed_watchdog", rank=self.channel.rank,
+                          reason=f"nothing from rank 0 for {limit:g} s; exiting")
+                os._exit(1)
+
+    def _apply(self, commands: list[Command]) -> bool:
+        for command in commands:
+            if isinstance(command, Submit):
+                request = command.spec.request()
+                submitted = Submitted(request, None, self._state(request))  # type: ignore[arg-type]
+                self._pending[request.request_id] = submitted
+                self._accept(submitted)
+            elif isinstance(command, Keep):
+                self._keep_decoded(command.request_id)
+            elif isinstance(command, Drop):
+                self.batch.remove({command.request_id})
+                self._release(command.request_id)
+            elif isinstance(command, Clear):
+                self.reuse.clear()
+            elif isinstance(command, Shrink):
+                self.reuse.shrink(command.num_bytes)
+            elif isinstance(command, EndAll):
+                self._end_all("")
+            elif isinstance(command, Stop):
+                return False
+        return True
+
+    def _state(self, request: EngineRequest) -> SequenceState:
+        return SequenceState(request_id=request.request_id, num_prompt_tokens=len(request.prompt),
+                             prefill_chunk=request.prefill_chunk, max_tokens=request.max_tokens)
+
+    def _plan(self, step: Step) -> tuple[StepPlan, list[SequenceState]]:
+        states = {request_id: self._requests[request_id].state for request_id, _ in step.prefill}
+        plan = StepPlan([(states[request_id], n) for request_id, n in step.prefill], [])
+        return plan, [states[request_id] for request_id in step.together]
+
+    def _post_process(self, tokens: list[list[int]]) -> None:
+        """Record what each row fed (rank 0 decides which rows end, and says so in its next message)."""
+        for row, emitted in zip(self.batch.rows, tokens, strict=True):
+            self._requests[row.request_id].generated.extend(emitted)
+
+    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
+        if not isinstance(error, Refused):
+            raise DistributedFault(f"rank {self.channel.rank}: a request failed in the {phase} phase "
+                                   f"({type(error).__name__}: {error})") from error
+        super()._fail(request_id, phase, error)
+
+    def _post(self, submitted: Submitted, event: Any) -> None:
+        pass  # nobody listens here: rank 0 answers the clients
+
+    def _send(self) -> None:
+        pass

@@ -1,0 +1,278 @@
+"""`[distributed]`: one model over a tensor-parallel group, rank 0 serving (mlxd/engine/distributed.py).
+
+The group tests run two processes over MLX's ``ring`` backend on loopback, started as users start them
+(``mlxd launch --config FILE``, which runs ``mlx.launch``), and compare with one process serving the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mlxd.config import load_config
+from mlxd.config.schema import DistributedConfig, EngineConfig
+from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams
+from mlxd.engine.distributed import (
+    Clear,
+    Drop,
+    Keep,
+    LeaderEngine,
+    Message,
+    RequestSpec,
+    Shrink,
+    Step,
+    Stop,
+    Submit,
+    _decoder,
+    _encoder,
+)
+from mlxd.errors import ConfigError, ModelLoadError
+from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+
+DISTRIBUTED = """
+[distributed]
+backend = "ring"
+tensor_parallel = 2
+starting_port = {ring_port}
+heartbeat_s = 0.5
+step_timeout_s = {timeout}
+"""
+
+
+def distributed_config(tmp: Path, model_dir: Path, port: int, timeout: float = 30) -> Path:
+    extra = DISTRIBUTED.format(ring_port=free_port(), timeout=timeout)
+    return write_config(tmp, model_dir, port=port, extra=extra, model_extra="", server_extra="")
+
+
+@contextlib.contextmanager
+def launched(config: Path, port: int, timeout: float = 240) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """``mlxd launch --config FILE`` as a real process group; yields (base URL, the launcher, its log)."""
+    log_path = config.parent / f"launch-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "launch", "--config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, timeout, log_path)
+        yield base, proc, log_path
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+
+
+def chat(base: str, content: str, history: list[dict] | None = None, max_tokens: int = 16) -> dict:
+    messages = [*(history or []), {"role": "user", "content": content}]
+    reply = httpx.post(base + "/v1/chat/completions", timeout=120,
+                       json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+PROMPTS = [f"Request number {i}: tell me about {topic}." for i, topic in
+           enumerate(["rivers", "mountains", "tea", "clocks", "owls", "ships", "rain", "glass"])]
+
+
+def eight_at_once(base: str) -> list[str]:
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda p: chat(base, p), PROMPTS))
+    return [r["choices"][0]["message"]["content"] for r in replies]
+
+
+def conversation(base: str) -> tuple[str, dict]:
+    """Turn 1, then turn 2 extending it: turn 2's usage (its cached tokens) and text."""
+    first = chat(base, "Describe a lighthouse.")
+    history = [{"role": "user", "content": "Describe a lighthouse."},
+               {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+    second = chat(base, "And at night?", history)
+    return second["choices"][0]["message"]["content"], second["usage"]
+
+
+def ranks(base: str) -> list[dict]:
+    return httpx.get(base + "/v1/status", timeout=10).json()["distributed"]["ranks"]
+
+
+def test_tensor_parallel_matches_one_process_and_hits_the_prefix_cache_on_both_ranks(tiny_qwen3_dir, tmp_path):
+    single_port, group_port = free_port(), free_port()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    single = write_config(tmp_path / "one", tiny_qwen3_dir, port=single_port)
+    group = distributed_config(tmp_path / "two", tiny_qwen3_dir, group_port)
+    with serve_subprocess(single, single_port) as (base, _):
+        expected = eight_at_once(base)
+        expected_turn2, _ = conversation(base)
+    with launched(group, group_port) as (base, _, _):
+        before = ranks(base)
+        assert [r["rank"] for r in before] == [0, 1] and before[0]["pid"] != before[1]["pid"]
+        assert eight_at_once(base) == expected
+        turn2, usage = conversation(base)
+        assert turn2 == expected_turn2
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        time.sleep(1.5)  # the ranks' counters travel with rank 0's next message (a heartbeat while idle)
+        after = ranks(base)
+        status = httpx.get(base + "/v1/status", timeout=10).json()["distributed"]
+        assert status["backend"] == "ring" and status["size"] == 2 and status["tensor_parallel"] == 2
+        for rank_before, rank_after in zip(before, after, strict=True):
+            assert rank_after["prefix_hits"] > rank_before["prefix_hits"]  # turn 2 hit on every rank
+            assert rank_after["active_kib"] > 0
+        assert after[0]["prefix_entries"] == after[1]["prefix_entries"] > 0
+
+
+def test_killing_rank_1_mid_stream_fails_the_request_and_ends_the_job(tiny_qwen3_dir, tmp_path):
+    port = free_port()
+    config = distributed_config(tmp_path, tiny_qwen3_dir, port, timeout=6)
+    with launched(config, port) as (base, proc, log_path):
+        follower = ranks(base)[1]["pid"]
+        frames, killed_at = [], None
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20000,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as reply:
+            assert reply.status_code == 200, reply.read()
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line)
+                if len(frames) == 5 and killed_at is None:
+                    os.kill(follower, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert killed_at is not None, frames  # the stream ran long enough to be cut
+        ended_after = time.monotonic() - killed_at
+        assert frames[-1] == "data: [DONE]"
+        assert '"error"' in frames[-2] and "rank" in frames[-2], frames[-2]
+        assert ended_after < 6 + 10  # the watchdog's step_timeout_s, and some slack
+        assert proc.wait(90) != 0  # the job ends non-zero: launchd or systemd restart it
+    log = log_path.read_text()
+    assert "distributed_watchdog" in log or "connection to a peer was lost" in log
+    assert "rank 1 exited with code -9" in log or "rank 1 was killed" in log
+
+
+# ---- in process: the watchdog, the message format, the config ----
+
+class StuckChannel:
+    """A channel whose exchanges block once ``stuck`` is set: a collective with a peer that is gone."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.stuck = threading.Event()
+        self.released = threading.Event()
+
+    def exchange(self, message, stats):
+        if self.stuck.is_set():
+            self.released.wait()
+        return None, [dict(pid=1), dict(pid=2)]
+
+    def share_tokens(self, tokens):
+        return tokens
+
+
+def test_the_watchdog_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir):
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_qwen3_dir))
+    channel = StuckChannel()
+    settings = DistributedConfig(backend="ring", tensor_parallel=2, step_timeout_s=1.0, heartbeat_s=0.2)
+    engine = LeaderEngine(model, EngineConfig(max_running=2, warmup_tokens=1), channel=channel, settings=settings)
+    failures: list[str] = []
+    engine.on_failure = failures.append
+    engine.start()
+    try:
+        async def run() -> list:
+            request = EngineRequest(request_id="r1", prompt=[5, 6, 7], max_tokens=10000)
+            handle = engine.submit(request)
+            events = []
+            async for event in handle.events():
+                events.append(event)
+                if len(events) == 3:
+                    channel.stuck.set()
+                if isinstance(event, Failed | Finished):
+                    return events
+            return events
+
+        started = time.monotonic()
+        events = asyncio.run(asyncio.wait_for(run(), 30))
+        assert isinstance(events[-1], Failed) and events[-1].status == 503
+        assert "waited more than 1 s for the group" in events[-1].message
+        assert time.monotonic() - started < 10
+        deadline = time.monotonic() + 5  # on_failure runs right after the requests are told
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failures and "a rank died or hangs" in failures[0]
+        assert engine.failure == failures[0]
+    finally:
+        channel.released.set()
+        engine._inbox.put(("stop", None))
+        engine._thread.join(30)
+        assert not engine._thread.is_alive()
+
+
+def test_messages_round_trip():
+    spec = RequestSpec("r1", [1, 2, 3], 8, SamplingParams(temperature=0.5, logit_bias={4: -1.0}), 512, (2,), True)
+    message = Message([Submit(spec), Keep("r0"), Drop("r0"), Clear(), Shrink(1024), Stop()],
+                      Step([("r1", 3)], ["r1"]), (1, 2, 3, 4, 5))
+    assert _decoder.decode(_encoder.encode(message)) == message
+    request = spec.request()
+    assert request.prompt == [1, 2, 3] and request.sampling.logit_bias == {4: -1.0} and request.keep_prompt
+
+
+def test_share_tokens_gives_rank_0s_tokens_alone():
+    """In a group of one, the share is the identity; the graph keeps the sampled array (not a constant)."""
+    from mlxd.engine.distributed import Channel
+
+    channel = Channel(mx.distributed.init())
+    tokens = mx.array([3, 9], dtype=mx.uint32)
+    shared = channel.share_tokens(tokens)
+    assert shared.dtype == mx.uint32 and shared.tolist() == [3, 9]
+
+
+def test_config_refuses_speculative_decoding_and_mismatched_hosts(tmp_path, tiny_qwen3_dir):
+    base = write_config(tmp_path, tiny_qwen3_dir).read_text()
+    path = tmp_path / "spec.toml"
+    path.write_text(base + '\n[engine.speculative]\ndrafter = "prompt_lookup"\n[distributed]\nbackend = "ring"\n')
+    with pytest.raises(ConfigError, match=r"spec.toml: engine.speculative.drafter: \[distributed\] does not run"):
+        load_config(path)
+    path.write_text(base + '\n[distributed]\nhosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]\ntensor_parallel = 2\n')
+    with pytest.raises(ConfigError, match="distributed.hosts: 3 hosts"):
+        load_config(path)
+    path.write_text(base + '\n[distributed]\nbackend = "tcp"\n')
+    with pytest.raises(ConfigError, match="distributed.backend"):
+        load_config(path)
+
+
+def test_launch_command_names_backend_hosts_and_ports(tmp_path, tiny_qwen3_dir):
+    base = write_config(tmp_path, tiny_qwen3_dir).read_text()
+    path = tmp_path / "two.toml"
+    path.write_text(base + '\n[distributed]\nbackend = "ring"\nhosts = ["10.0.0.1", "10.0.0.2"]\n'
+                    "starting_port = 40000\n")
+    out = subprocess.run([sys.executable, "-m", "mlxd", "launch", "--config", str(path), "--port", "9000",
+                          "--print"], capture_output=True, text=True, check=True).stdout
+    out = shlex.split(out)
+    assert out[out.index("--backend") + 1] == "ring" and out[out.index("--hosts") + 1] == "10.0.0.1,10.0.0.2"
+    assert out[out.index("--starting-port") + 1] == "40000"
+    assert out[out.index("--") + 1:] == [sys.executable, "-m", "mlxd", "--config", str(path.resolve()), "--port",
+                                         "9000"]
+    plain = tmp_path / "plain.toml"
+    plain.write_text(base)
+    failed = subprocess.run([sys.executable, "-m", "mlxd", "launch", "--config", str(plain)], capture_output=True,
+                            text=True)
+    assert failed.returncode == 2 and "needs a [distributed] table" in failed.stderr
+
+
+def test_a_vision_model_is_refused_before_loading(tiny_vlm):
+    from mlxd.config.schema import ModelConfig
+    from mlxd.models.load import load
+
+    with pytest.raises(ModelLoadError, match="serves text models only"):
+        load(ModelConfig(source=str(tiny_vlm("qwen2_5_vl"))), group=object())
