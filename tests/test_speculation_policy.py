@@ -87,3 +87,24 @@ def test_a_batch_speculates_only_when_its_rows_together_gain_more_than_every_row
     assert not batch_pays(losing, [4, 0, 0, 0])
     assert losing.rows[0].spec.reason == "the batch's drafts gain 1.23 tokens a row; a verify step costs 1.80 plain steps"
     assert batch_pays(SimpleNamespace(rows=losing.rows, costs=StepCosts()), [4, 0, 0, 0])  # unknown: measure it
+
+
+def test_greedy_verification_picks_what_plain_decoding_picks_on_near_tied_bfloat16_logits():
+    """A random bf16 model's logits are nearly tied: their log-probabilities round to equal values, and plain
+    decoding (mlx-lm's greedy sampler over ``logits - logsumexp``) takes the first of the tied ones, which is not
+    the raw argmax. Verification must pick the same token, or a greedy speculative row drifts from plain decoding
+    (on an H100 with a Qwen3-8B-shaped random model, every draft was rejected)."""
+    import mlx.core as mx
+
+    from mlxd.engine.base import SamplingParams
+    from mlxd.engine.sampling import make_request_sampler
+    from mlxd.engine.speculation import verify
+
+    logits = (0.02 * mx.random.normal((6, 151936), key=mx.random.key(3))).astype(mx.bfloat16)
+    plain = make_request_sampler(SamplingParams(temperature=0.0))
+    expected = [int(plain(logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], keepdims=True)).item())
+                for i in range(6)]
+    assert expected != mx.argmax(logits, axis=-1).tolist()  # the trap is there: raw argmax differs
+    accepted, candidates = verify(SamplingParams(temperature=0.0), logits, expected[:5], None)
+    assert candidates.tolist() == expected
+    assert accepted.tolist() == [True] * 5

@@ -195,10 +195,14 @@ def verify(params: SamplingParams, logits: mx.array, drafts: list[int], key: mx.
     else MLX's global random state.
     """
     k = len(drafts)
+    # The log-probabilities plain decoding samples from, computed as it computes them (in the model's dtype): in
+    # bfloat16, near-tied logits round to equal log-probabilities, and greedy decoding takes the first of them,
+    # which is not always the raw logits' argmax.
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.temperature == 0:
-        best = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        best = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         return best[:k] == mx.array(drafts, dtype=mx.uint32), best
-    logprobs = target_logprobs(params, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    logprobs = target_logprobs(params, logprobs)
     keys = mx.random.split(key, 2) if key is not None else (None, None)
     draft_ids = mx.array(drafts, dtype=mx.int32)
     if k:
