@@ -119,6 +119,8 @@ class Message(msgspec.Struct, array_like=True):
 
 
 _encoder, _decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
+# The most common message, a decode step with nothing changed, travels as its header alone (size -1).
+DECODE_ONLY = Message([], Step([], []), ())
 
 
 # ---- the group ----
@@ -151,13 +153,14 @@ class Channel:
 
     def exchange(self, message: Message | None, stats: list[int]) -> tuple[Message | None, list[dict[str, int]]]:
         """Rank 0 sends ``message`` (the others pass None and get it); every rank's ``stats`` come back to all."""
-        payload = _encoder.encode(message) if self.rank == 0 and message is not None else b""
-        header = mx.array([[len(payload), *stats]], dtype=mx.int32)
+        payload = _encoder.encode(message) if self.rank == 0 and message not in (None, DECODE_ONLY) else b""
+        size = -1 if self.rank == 0 and message is DECODE_ONLY else len(payload)
+        header = mx.array([[size, *stats]], dtype=mx.int32)
         gathered = mx.distributed.all_gather(header, group=self.group).tolist()
         size = gathered[0][0]
         peers = [dict(zip(_STATS, row[1:], strict=True)) for row in gathered]
-        if not size:
-            return None, peers
+        if size <= 0:
+            return (DECODE_ONLY if size < 0 else None), peers
         words = -(-size // 4)
         if self.rank == 0:
             mine = np.frombuffer(payload.ljust(4 * words, b"\0"), dtype=np.int32)
@@ -235,7 +238,10 @@ class LeaderEngine(BatchedEngine):
         self._publish(None)  # every rank is up and warm before /health turns 200; their numbers are in
 
     def _publish(self, step: Step | None) -> None:
-        message = Message(self._commands, step, state_digest(self))
+        if not self._commands and step is not None and not step.prefill:
+            message = DECODE_ONLY  # one small collective: the ranks' state cannot have changed
+        else:
+            message = Message(self._commands, step, state_digest(self))
         self._commands = []
         _, self.peers = self.channel.exchange(message, rank_stats(self))
         self._last_sent = time.monotonic()
@@ -368,7 +374,7 @@ class FollowerEngine(BatchedEngine):
                     continue
                 if not self._apply(message.commands):
                     return 0
-                if state_digest(self) != tuple(message.digest):
+                if message.digest and state_digest(self) != tuple(message.digest):
                     raise DistributedFault(f"rank {self.channel.rank} differs from rank 0: {state_digest(self)} "
                                            f"against {tuple(message.digest)}")
                 if message.step is not None:
