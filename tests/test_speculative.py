@@ -251,3 +251,29 @@ def test_long_ragged_generation_compacts_the_batch_and_keeps_the_plain_output(ta
         engine.stop()
     assert [ids(r) for r in results] == expected
     assert [r[1].decode["acceptance"] for r in results] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_verify_passes_over_padded_caches_give_the_plain_output(target, unrelated, plain_outputs, monkeypatch):
+    """What CUDA runs (mlxd/engine/padded.py: attention over a bucket of key positions, masked), forced here: the
+    same tokens as plain decoding, alone (every draft accepted) and batched with ragged acceptance."""
+    import mlxd.engine.target
+    from mlxd.engine.padded import padded
+
+    monkeypatch.setattr(mlxd.engine.target, "PAD_VERIFY", True)
+    calls = []
+    monkeypatch.setattr(mlxd.engine.target, "padded", lambda cache: calls.append(1) or padded(cache))
+    model, tokenizer = target
+    engine = start(model, DraftModelDrafter(model), adaptive=False)
+    try:
+        results = alone(engine, requests(tokenizer, "padded", spec(), n=3))
+        assert [ids(r) for r in results] == plain_outputs[:3]
+        assert all(finished.decode["acceptance"] == 1.0 for _, finished in results)
+        assert len(calls) >= 3 * 7  # every verify pass went through the padded caches
+    finally:
+        engine.stop()
+    engine = start(model, DraftModelDrafter(unrelated), adaptive=False)
+    try:
+        modes = [spec() if i % 2 == 0 else Plain() for i in range(8)]
+        assert [ids(r) for r in run(engine, requests(tokenizer, "padded-mixed", modes))] == plain_outputs
+    finally:
+        engine.stop()

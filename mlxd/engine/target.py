@@ -4,7 +4,8 @@ speculative step, which opens a cache transaction (commit each row's kept length
 A model is called as mlx-lm calls it, ``model(inputs, cache=cache, **kwargs)``. Two extras come from the vision
 wrapper (:class:`mlxd.models.vlm.VisionLanguageModel`): ``forward_hidden`` (the last hidden states, which MTP heads
 read) and, for language models that verify speculative blocks themselves (Qwen3.5), ``verify_forward``. Every other
-model's verify pass is its ordinary call inside mlx-vlm's ``start_speculative_cache`` transaction.
+model's verify pass is its ordinary call inside mlx-vlm's ``start_speculative_cache`` transaction, with its
+attention caches padded on CUDA (:mod:`mlxd.engine.padded`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+from mlxd.engine.padded import PAD_VERIFY, padded
 
 
 def forward(model: Any, inputs: mx.array, cache: list[Any], *, hidden: bool = False,
@@ -30,7 +33,7 @@ def verify(model: Any, inputs: mx.array, cache: list[Any], **kwargs: Any) -> tup
         return model.verify_forward(inputs, cache, **kwargs)
     transaction = start_speculative_cache(cache, inputs.shape[1])
     try:
-        return model(inputs, cache=cache, **kwargs), None, transaction
+        return model(inputs, cache=padded(cache) if PAD_VERIFY else cache, **kwargs), None, transaction
     except BaseException:
         transaction.abort()
         raise
