@@ -89,3 +89,31 @@ def test_on_the_cpu_warm_up_runs_a_chunk_and_decode_batches_of_powers_of_two(mod
     decode_sizes = {batch for batch, length in recording.shapes if length == 1}
     assert decode_sizes == {1, 2, 4, MAX_RUNNING} and (1, CHUNK) in recording.shapes
     assert not {batch for batch, length in recording.shapes if batch > 1 and length > 1}
+
+
+def test_verify_warm_up_runs_every_batch_size_and_width_over_two_buckets(tiny_model_dir):
+    from mlx_lm import load
+
+    from mlxd.config.schema import EngineConfig, SpeculativeConfig
+    from mlxd.engine.padded import BUCKET
+    from mlxd.engine.warmup import VERIFY_BUCKETS, warm_up_verify
+
+    model, _ = load(str(tiny_model_dir))
+    config = EngineConfig(max_running=3, speculative=SpeculativeConfig(drafter="prompt_lookup", k=2))
+    seen = []
+    original = model.__call__
+
+    class Spy:  # records the (batch, positions, filled keys) of every pass
+        def __call__(self, inputs, cache=None, **kw):
+            seen.append((inputs.shape[0], inputs.shape[1], getattr(cache[0], "offset", None)))
+            return original(inputs, cache=cache, **kw)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    assert warm_up_verify(Spy(), config, force=True) == 3 * 2 * VERIFY_BUCKETS
+    verify_passes = [(b, n) for b, n, _ in seen if n in (2, 3)]
+    assert sorted(set(verify_passes)) == [(b, n) for b in (1, 2, 3) for n in (2, 3)]
+    lone = [offset for b, n, offset in seen if b == 1 and n in (2, 3)]
+    assert {-(-(o + 3) // BUCKET) for o in lone} == {1, 2}  # blocks end in the first and the second bucket
+    assert warm_up_verify(model, config) == 0 or mx.cuda.is_available()  # only on CUDA unless forced

@@ -49,7 +49,7 @@ from mlxd.engine.spec_step import check_drafter
 from mlxd.engine.speculation import SpecState
 from mlxd.engine.steptimes import StepTimes
 from mlxd.engine.vision import VisionPrefill, prompt_key
-from mlxd.engine.warmup import warm_up_shapes
+from mlxd.engine.warmup import warm_up_shapes, warm_up_verify
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
@@ -135,6 +135,8 @@ class BatchedEngine(EngineFront):
         if self.drafter is not None:
             check_drafter(self.drafter, self.model, self.config, self.vocab_size)
         warm_up_shapes(self.model, self.config)
+        if self.drafter is not None:
+            warm_up_verify(self.model, self.config)
 
     def _idle(self) -> None:
         mx.clear_cache()  # idle: give the freed buffers back
