@@ -263,6 +263,14 @@ def test_launch_command_names_backend_hosts_and_ports(tmp_path, tiny_qwen3_dir):
     assert out[out.index("--starting-port") + 1] == "40000"
     assert out[out.index("--") + 1:] == [sys.executable, "-m", "mlxd", "--config", str(path.resolve()), "--port",
                                          "9000"]
+    local = tmp_path / "local.toml"
+    local.write_text(base + '\n[distributed]\nbackend = "ring"\ntensor_parallel = 2\n')
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = shlex.split(subprocess.run([sys.executable, "-m", "mlxd", "launch", "--config", str(local), "--print"],
+                                     capture_output=True, text=True, check=True, env=env).stdout)
+    assert out[out.index("-n") + 1] == "2"
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert out[out.index("--env") + 1] == f"OPENBLAS_NUM_THREADS={threads}"  # the ranks share this machine's cores
     plain = tmp_path / "plain.toml"
     plain.write_text(base)
     failed = subprocess.run([sys.executable, "-m", "mlxd", "launch", "--config", str(plain)], capture_output=True,
