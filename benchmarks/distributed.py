@@ -1,0 +1,166 @@
+"""Tensor parallelism against one process, side by side in one run: mlxd and mlx-lm's server.
+
+Servers, each started, measured at every concurrency, and stopped in turn (interleaved over ``--rounds``; the best
+of each point is kept):
+
+* mlxd, one process; mlxd over ``--ranks`` processes (``mlxd launch`` with a ``[distributed]`` table);
+* ``mlx_lm.server``, one process; ``mlx_lm.server`` under ``mlx.launch`` with as many ranks (its own sharded
+  serving: rank 0 answers HTTP).
+
+Streaming clients through HTTP; aggregate tokens/s over all streams and mean time to first token (the same
+measure as ``load.py``). On one machine with several GPUs use ``--backend nccl``; on a CPU, ``ring`` over loopback
+(every rank then shares the same cores: a test of the mechanism's overhead, not of a speed-up).
+
+    python benchmarks/distributed.py --tiny qwen3 --out docs/benchmarks/distributed.md
+    python benchmarks/distributed.py --model ../models/qwen3-8b --backend nccl --concurrency 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from load import (  # noqa: E402
+    Result,
+    free_port,
+    http_load,
+    mlxd_command,
+    pick_prompts,
+    table,
+    versions,
+    wait_ready,
+    with_openblas,
+)
+
+from mlxd.launch import local_threads  # noqa: E402
+
+
+@contextlib.contextmanager
+def serve(command: list[str], port: int, log: Path, health: str) -> Iterator[None]:
+    """A server in a process group of its own (mlx.launch and its ranks), all of it stopped afterwards."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(port, health, proc, log)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def group_mlxd(model: str, port: int, tmp: Path, max_running: int, ranks: int, backend: str) -> list[str]:
+    command = mlxd_command(model, port, tmp, max_running)
+    config = Path(command[command.index("--config") + 1])
+    config.write_text(config.read_text() + f"""
+[distributed]
+backend = "{backend}"
+tensor_parallel = {ranks}
+starting_port = {free_port()}
+""")
+    return [sys.executable, "-m", "mlxd", "launch", "--config", str(config), "--port", str(port)]
+
+
+def mlx_lm_server(model: str, port: int, max_running: int) -> list[str]:
+    return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), "--decode-concurrency",
+            str(max_running), "--prompt-concurrency", str(max_running)]
+
+
+def specs(args, tmp: Path, top: int) -> list[tuple[str, list[str], str]]:
+    # The same share of this machine's cores per rank as `mlxd launch` gives its ranks (mlxd/launch.py).
+    launch = [str(Path(sys.executable).parent / "mlx.launch"), "-n", str(args.ranks), "--backend",
+              args.backend, "--starting-port", str(free_port()), *local_threads(args.ranks), "--"]
+    ports = [free_port() for _ in range(4)]
+    return [
+        ("mlxd, 1 process", mlxd_command(args.model, ports[0], tmp / "one", top), "/health"),
+        (f"mlxd, tensor-parallel {args.ranks}", group_mlxd(args.model, ports[1], tmp / "group", top, args.ranks,
+                                                            args.backend), "/health"),
+        ("mlx_lm.server, 1 process", mlx_lm_server(args.model, ports[2], top), "/v1/models"),
+        (f"mlx_lm.server, mlx.launch -n {args.ranks}", [*launch, *mlx_lm_server(args.model, ports[3], top)],
+         "/v1/models"),
+    ]
+
+
+def port_of(command: list[str]) -> int:
+    return int(command[command.index("--port") + 1])
+
+
+def main() -> None:
+    with_openblas()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an mlx-lm model folder")
+    parser.add_argument("--tiny", help="build a tiny random model of this arch instead")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--backend", default="ring")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", help="append a markdown section here (else print it)")
+    args = parser.parse_args()
+
+    from mlx_lm import load
+
+    tmp = Path(tempfile.mkdtemp())
+    if not args.model:
+        from mlxd.testing.tiny import tiny_model_cached
+
+        args.model = str(tiny_model_cached(tmp, args.tiny or "qwen3", hidden_size=256, num_layers=4))
+    model, tokenizer = load(args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = pick_prompts(model, tokenizer, max(levels) * args.rounds * len(levels), args.max_tokens)
+    del model
+    best: dict[tuple[str, int], Result] = {}
+    used = 0
+    for _ in range(args.rounds):
+        for label, command, health in specs(args, tmp, max(levels)):
+            with serve(command, port_of(command), tmp / f"{label.replace(' ', '_')}.log", health):
+                for level in levels:
+                    batch = prompts[used % len(prompts):][:level]
+                    used += level
+                    name = "bench" if label.startswith("mlxd") else args.model
+                    result = asyncio.run(http_load(label, port_of(command), name, batch, args.max_tokens))
+                    print(f"{label}, {level} stream(s): {result.tokens_per_s:.1f} tok/s", flush=True)  # noqa: T201
+                    key = (label, level)
+                    if key not in best or result.tokens_per_s > best[key].tokens_per_s:
+                        best[key] = result
+    report = "\n".join([
+        f"Command: `python {' '.join(sys.argv)}`", "",
+        f"Machine: {platform.platform()}; " + ", ".join(f"{k} {v}" for k, v in versions(None).items()), "",
+        table(sorted(best.values(), key=lambda r: (r.concurrency, r.label))), "", ratios(best, args.ranks, levels),
+    ])
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(report + "\n")
+    print(report)  # noqa: T201
+
+
+def ratios(best: dict[tuple[str, int], Result], ranks: int, levels: list[int]) -> str:
+    lines = []
+    for level in levels:
+        one, group = best[("mlxd, 1 process", level)], best[(f"mlxd, tensor-parallel {ranks}", level)]
+        theirs = best[(f"mlx_lm.server, mlx.launch -n {ranks}", level)]
+        lines.append(f"- {level} stream(s): mlxd tensor-parallel {ranks} / mlxd one process: "
+                     f"{group.tokens_per_s / one.tokens_per_s:.2f}x; / mlx_lm.server under mlx.launch: "
+                     f"{group.tokens_per_s / theirs.tokens_per_s:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
