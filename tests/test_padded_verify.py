@@ -22,7 +22,7 @@ def prefilled(model, prompt: list[int], batch: bool) -> list:
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["KVCache", "BatchKVCache"])
-@pytest.mark.parametrize("length", [37, 253, 256, 300])
+@pytest.mark.parametrize("length", [37, 253, 256, 300, 1030])
 def test_a_padded_multi_token_pass_equals_the_plain_one(model, batch, length):
     prompt = [(7 * i) % 900 + 3 for i in range(length)]
     block = [11, 12, 13, 14]

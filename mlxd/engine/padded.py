@@ -4,9 +4,11 @@ MLX's CUDA backend runs attention over several query positions through cuDNN, wh
 shape and caches it. A verify pass of a speculative step attends over the whole cache, whose length grows with
 every step, so each one paid a new plan: about 75 ms on an H100, against 12 ms for a one-token decode step (a
 3-token pass at a shape seen before: 19.5 ms). Seen through :class:`PaddedLayer`, an attention layer's cache hands
-the model its keys and values rounded up to :data:`BUCKET` positions (its buffer already holds them: mlx-lm's
-caches grow in steps of 256) and a mask that hides the positions past the filled ones, so the shape changes once
-every :data:`BUCKET` positions. The state written is the cache's own; only what the model reads is padded.
+the model its keys and values rounded up to :data:`BUCKET` positions (a view of its buffer where that holds them,
+else a zero-padded copy) and a mask that hides the positions past the filled ones, so the shape changes once
+every :data:`BUCKET` positions; warm-up builds the plans of the first buckets (:func:`.warmup.warm_up_verify`).
+A verify pass attends over at most ``BUCKET - 1`` masked positions more, a few microseconds beside reading the
+weights. The state written is the cache's own; only what the model reads is padded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-BUCKET = 256
+BUCKET = 1024
 # Only where attention plans are built per shape; elsewhere padding would only add work.
 PAD_VERIFY = mx.cuda.is_available()
 

@@ -61,11 +61,12 @@ def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
 def batch_pays(batch: DecodeBatch, lengths: list[int]) -> bool:
     """Whether a verify step with these draft lengths is expected to emit more tokens than the plain steps it costs:
     every row pays for the step's width, the rows that draft nothing too (they gain one token, as in a plain
-    step). Unknown costs (not measured yet at this batch size and width) pay, so that they get measured."""
+    step). Unknown costs (not measured yet at this batch size and width) pay, so that they get measured; so does
+    a step where a row drafts a fixed ``k`` (``adaptive`` off)."""
     size = len(batch.rows)
     ratio = batch.costs.ratio(size, 1 + max(lengths))
-    if ratio is None:
-        return True
+    if ratio is None or any(k and not row.spec.adaptive for row, k in zip(batch.rows, lengths, strict=True)):
+        return True  # a row drafting a fixed k (adaptive off) always drafts
     gain = sum(row.spec.expected_gain(k) if k else 1.0 for row, k in zip(batch.rows, lengths, strict=True))
     if gain >= size * ratio:
         return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
@@ -143,30 +143,35 @@ def warm_up_verify(model: Any, config: EngineConfig, force: bool = False) -> int
     """Build the attention plans of speculative verify passes before serving (CUDA, where :mod:`.padded` pads
     them; ``force``: here too, for tests): every batch size 1..``max_running``, every block width 2..k + 1, over
     caches in each of the first :data:`VERIFY_BUCKETS` buckets. Caches of other kinds (rotating, recurrent) are
-    left out. Returns the number of passes run.
+    left out. Returns the number of verify passes run.
 
     Unwarmed, a verify step meeting a new shape paid about 75 ms on an H100 (Qwen3-8B shape) where a decode step
-    takes 12: the first verify steps of a request, exactly those that decide whether drafting pays, looked 7x
-    dearer than plain steps. The cost: ``max_running * k * VERIFY_BUCKETS`` passes (128 at the defaults, about 10 s
-    on that H100, once per process) and prompts of ``BUCKET * VERIFY_BUCKETS`` tokens for each batch size.
+    takes 12: the first verify steps of a request, exactly those that decide whether drafting pays, looked several
+    times dearer than plain steps. One row's prompt fills each bucket (``BUCKET * VERIFY_BUCKETS`` tokens in all);
+    batches of several rows are that row's cache copied (``merge``), one batch size at a time. The cost:
+    ``max_running * k * VERIFY_BUCKETS`` verify passes, once per process.
     """
     if not (PAD_VERIFY or force) or not all(type(c) is KVCache for c in make_request_cache(model)):
         return 0
-    passes = 0
-    for size in range(1, config.max_running + 1):
-        cache = (make_request_cache(model) if size == 1 else
-                 [BatchKVCache(left_padding=[0] * size) for _ in make_request_cache(model)])
-        filled = 0
-        for _ in range(VERIFY_BUCKETS):
-            prompt = BUCKET - config.speculative.k - 1 - filled % BUCKET  # the bucket, less the widest block
-            mx.eval(model(mx.array([_tokens(prompt)] * size, dtype=mx.uint32), cache=cache))
-            filled += prompt
-            for width in range(2, config.speculative.k + 2):
+    k, passes = config.speculative.k, 0
+    base = make_request_cache(model)
+    for index in range(VERIFY_BUCKETS):
+        _fill(model, base, (index + 1) * BUCKET - k - 1)  # the bucket, less the widest block
+        for size in range(1, config.max_running + 1):
+            cache = base if size == 1 else [layer.merge([layer] * size) for layer in base]
+            for width in range(2, k + 2):
                 logits, _, transaction = verify(model, mx.array([_tokens(width)] * size, dtype=mx.uint32), cache)
                 mx.eval(logits)
                 transaction.abort()
                 passes += 1
-            mx.eval(model(mx.array([_tokens(BUCKET - prompt)] * size, dtype=mx.uint32), cache=cache))
-            filled += BUCKET - prompt
+            del cache
+        _fill(model, base, (index + 1) * BUCKET)
     mx.clear_cache()
     return passes
+
+
+def _fill(model: Any, cache: list[Any], length: int) -> None:
+    """Extend a lone row's cache to ``length`` positions."""
+    missing = length - cache[0].offset
+    if missing > 0:
+        mx.eval(model(mx.array([_tokens(missing)], dtype=mx.uint32), cache=cache))
