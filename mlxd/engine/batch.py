@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlxd.engine.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.row import Row, reset_random_state
-from mlxd.engine.spec_step import draft, speculative_step
+from mlxd.engine.spec_step import draft, draft_lengths, speculative_step
 from mlxd.engine.stepcosts import StepCosts
 from mlxd.engine.target import forward
 
@@ -234,11 +234,12 @@ class DecodeBatch:
         Raises when the shared work fails (the forward pass, evaluating the returned tokens): every row is lost.
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
-        if self.speculative:
+        lengths = draft_lengths(self) if self.speculative else None
+        if lengths is not None:
             started = time.perf_counter()
             fed = self.inputs.tolist()
             self.waited_s += time.perf_counter() - started
-            drafts = draft(self, fed)
+            drafts = draft(self, fed, lengths)
             if any(drafts):
                 emitted = speculative_step(self, fed, drafts)
                 self._compact_if_ragged(emitted)

@@ -33,15 +33,20 @@ if TYPE_CHECKING:
     from mlxd.engine.row import Row
 
 
-def draft(batch: DecodeBatch, fed: list[int]) -> list[list[int]]:
-    """Each row's drafted tokens for this step (none for plain rows and rows that pause), one drafter call per
-    drafter; drafts a grammar would refuse are cut where it refuses. None at all when the batch's expected gain
-    does not pay for the verify step (:func:`batch_pays`)."""
-    drafts: list[list[int]] = [[] for _ in batch.rows]
+def draft_lengths(batch: DecodeBatch) -> list[int] | None:
+    """How many tokens each row drafts this step (0 for plain rows and rows that pause: this counts their pause
+    down), or None when no row drafts or the batch's expected gain does not pay for a verify step
+    (:func:`batch_pays`). Needs no token of the step: a batch that will not verify keeps its pipelined plain step
+    (reading the fed tokens back first would stall it)."""
     lengths = [row.spec.draft_length(len(batch.rows), batch.costs) if row.spec is not None else 0
                for row in batch.rows]
-    if not any(lengths) or not batch_pays(batch, lengths):
-        return drafts
+    return lengths if any(lengths) and batch_pays(batch, lengths) else None
+
+
+def draft(batch: DecodeBatch, fed: list[int], lengths: list[int]) -> list[list[int]]:
+    """Each row's drafted tokens for this step (``lengths`` from :func:`draft_lengths`), one drafter call per
+    drafter; drafts a grammar would refuse are cut where it refuses."""
+    drafts: list[list[int]] = [[] for _ in batch.rows]
     asking: dict[Any, list[tuple[int, DraftRow]]] = {}
     for i, (row, k) in enumerate(zip(batch.rows, lengths, strict=True)):
         if k > 0:
