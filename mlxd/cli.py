@@ -126,7 +126,7 @@ def serve(argv: list[str]) -> int:
     base_dir = args.config.resolve().parent
     group = None
     if config.distributed is not None:
-        from mlxd.engine.distributed import init_group
+        from mlxd.engine.group import init_group
 
         group = init_group(config.distributed)
         if group.rank() != 0:

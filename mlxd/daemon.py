@@ -108,7 +108,8 @@ class Daemon:
         loaded = load(self.config.model, self.base_dir, group=self.group)
         tokenizer = loaded.tokenizer
         if self.group is not None:
-            from mlxd.engine.distributed import Channel, LeaderEngine
+            from mlxd.engine.distributed import LeaderEngine
+            from mlxd.engine.group import Channel
 
             self.engine = LeaderEngine(loaded.model, self.config.engine, channel=Channel(self.group),
                                        settings=self.config.distributed)
@@ -236,7 +237,8 @@ def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None)
     job ends through rank 0, which drains first and then tells every rank to stop."""
     import signal
 
-    from mlxd.engine.distributed import Channel, FollowerEngine
+    from mlxd.engine.distributed import FollowerEngine
+    from mlxd.engine.group import Channel
     from mlxd.models.load import load
 
     for sig in (signal.SIGTERM, signal.SIGINT):

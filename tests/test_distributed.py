@@ -26,11 +26,11 @@ import pytest
 from mlxd.config import load_config
 from mlxd.config.schema import DistributedConfig, EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams
-from mlxd.engine.distributed import (
+from mlxd.engine.distributed import LeaderEngine
+from mlxd.engine.group import (
     Clear,
     Drop,
     Keep,
-    LeaderEngine,
     Message,
     RequestSpec,
     Shrink,
@@ -229,7 +229,7 @@ def test_messages_round_trip():
 
 def test_share_tokens_gives_rank_0s_tokens_alone():
     """In a group of one, the share is the identity; the graph keeps the sampled array (not a constant)."""
-    from mlxd.engine.distributed import Channel
+    from mlxd.engine.group import Channel
 
     channel = Channel(mx.distributed.init())
     tokens = mx.array([3, 9], dtype=mx.uint32)

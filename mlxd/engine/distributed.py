@@ -13,7 +13,7 @@ The other ranks (:class:`FollowerEngine`) apply the commands and run the step wi
 rows, caches and prefix caches stay identical to rank 0's, shard for shard; a digest of that state travels with
 each message and a follower that differs stops. Tokens are sampled on rank 0 and shared inside the step's graph
 (:meth:`Channel.share_tokens`), so nothing sampled elsewhere is ever fed. Messages go over the group's own
-collectives (an ``all_gather`` of a small header, then an ``all_sum`` of the bytes): no transport of our own.
+collectives (:mod:`mlxd.engine.group`): no transport of our own.
 
 Failure: a step that fails on one rank cannot be known to have failed on the others, so any error inside a step
 ends the job (the process exits non-zero; launchd or systemd restarts it), except requests refused by checks
@@ -31,18 +31,30 @@ import time
 from typing import Any
 
 import mlx.core as mx
-import msgspec
-import numpy as np
 from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import DistributedConfig, EngineConfig
-from mlxd.engine.base import EngineRequest, SamplingParams
+from mlxd.engine.base import EngineRequest
 from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.front import Submitted
+from mlxd.engine.group import (
+    DECODE_ONLY,
+    Channel,
+    Clear,
+    Command,
+    Drop,
+    EndAll,
+    Keep,
+    Message,
+    RequestSpec,
+    Shrink,
+    Step,
+    Stop,
+    Submit,
+)
 from mlxd.engine.row import Refused
 from mlxd.engine.scheduler import SequenceState, StepPlan
-from mlxd.errors import ModelLoadError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.distributed")
@@ -52,134 +64,8 @@ class DistributedFault(RuntimeError):
     """The ranks can no longer be known to agree: the job must end."""
 
 
-# ---- messages ----
-
-class RequestSpec(msgspec.Struct, array_like=True):
-    """What every rank needs of a request to run its rows: no callables, no images (refused at start-up)."""
-
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    prefill_chunk: int
-    checkpoints: tuple[int, ...]
-    keep_prompt: bool
-
-    @classmethod
-    def of(cls, request: EngineRequest) -> RequestSpec:
-        return cls(request.request_id, request.prompt, request.max_tokens, request.sampling, request.prefill_chunk,
-                   request.checkpoints, request.keep_prompt)
-
-    def request(self) -> EngineRequest:
-        return EngineRequest(request_id=self.request_id, prompt=self.prompt, max_tokens=self.max_tokens,
-                             sampling=self.sampling, prefill_chunk=self.prefill_chunk,
-                             checkpoints=self.checkpoints, keep_prompt=self.keep_prompt)
-
-
-class Submit(msgspec.Struct, tag=True, array_like=True):
-    spec: RequestSpec
-
-
-class Keep(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-
-
-class Drop(msgspec.Struct, tag=True, array_like=True):
-    request_id: str
-
-
-class Clear(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class Shrink(msgspec.Struct, tag=True, array_like=True):
-    num_bytes: int
-
-
-class EndAll(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class Stop(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-Command = Submit | Keep | Drop | Clear | Shrink | EndAll | Stop
-
-
-class Step(msgspec.Struct, array_like=True):
-    prefill: list[tuple[str, int]]  # (request id, prompt tokens to process)
-    together: list[str]  # the whole prompts among them that share one forward pass
-
-
-class Message(msgspec.Struct, array_like=True):
-    commands: list[Command]
-    step: Step | None
-    digest: tuple[int, ...]  # rank 0's state once the commands are applied (see BatchedEngine digest below)
-
-
-_encoder, _decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
-# The most common message, a decode step with nothing changed, travels as its header alone (size -1).
-DECODE_ONLY = Message([], Step([], []), ())
-
-
-# ---- the group ----
-
-def init_group(config: DistributedConfig) -> Any:
-    """Join the group ``mlx.launch`` (or a hostfile's environment) set up; its size must be ``tensor_parallel``."""
-    backend = "any" if config.backend == "any" else config.backend
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"[distributed] backend {config.backend!r}: cannot join the group ({e}); start the "
-                             "ranks with `mlxd launch --config FILE` or under mlx.launch") from e
-    if group.size() != config.tensor_parallel:
-        raise ModelLoadError(f"[distributed] tensor_parallel = {config.tensor_parallel}, but the group has "
-                             f"{group.size()} ranks: launch as many ranks as tensor_parallel")
-    return group
-
-
-# Per-rank numbers that travel in every message's header (KiB where bytes: int32 everywhere).
-_STATS = ("pid", "active_kib", "peak_kib", "cache_kib", "prefix_entries", "prefix_kib", "prefix_hits")
-
-
-class Channel:
-    """Rank 0's messages to the group, and the group's sampled tokens, over MLX collectives."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
-
-    def exchange(self, message: Message | None, stats: list[int]) -> tuple[Message | None, list[dict[str, int]]]:
-        """Rank 0 sends ``message`` (the others pass None and get it); every rank's ``stats`` come back to all."""
-        payload = _encoder.encode(message) if self.rank == 0 and message not in (None, DECODE_ONLY) else b""
-        size = -1 if self.rank == 0 and message is DECODE_ONLY else len(payload)
-        header = mx.array([[size, *stats]], dtype=mx.int32)
-        gathered = mx.distributed.all_gather(header, group=self.group).tolist()
-        size = gathered[0][0]
-        peers = [dict(zip(_STATS, row[1:], strict=True)) for row in gathered]
-        if size <= 0:
-            return (DECODE_ONLY if size < 0 else None), peers
-        words = -(-size // 4)
-        if self.rank == 0:
-            mine = np.frombuffer(payload.ljust(4 * words, b"\0"), dtype=np.int32)
-            data = mx.distributed.all_sum(mx.array(mine), group=self.group)
-        else:
-            data = mx.distributed.all_sum(mx.zeros((words,), dtype=mx.int32), group=self.group)
-        received = np.array(data).tobytes()[:size]
-        return (message if self.rank == 0 else _decoder.decode(received)), peers
-
-    def share_tokens(self, tokens: mx.array) -> mx.array:
-        """Rank 0's sampled tokens on every rank, lazily, as part of the step's graph. The others' own samples are
-        multiplied by zero (not dropped: that keeps their forward pass, and its collectives, in the graph)."""
-        mine = tokens.astype(mx.int32)
-        if self.rank != 0:
-            mine = mine * 0
-        return mx.distributed.all_sum(mine, group=self.group).astype(tokens.dtype)
-
-
 def rank_stats(engine: BatchedEngine) -> list[int]:
+    """This rank's numbers for /v1/status, in the order of :data:`mlxd.engine.group.STATS`."""
     prefix = engine.reuse.stats()
     kib = 1024
     return [os.getpid(), mx.get_active_memory() // kib, mx.get_peak_memory() // kib, mx.get_cache_memory() // kib,
@@ -190,19 +76,6 @@ def state_digest(engine: BatchedEngine) -> tuple[int, ...]:
     """What must be equal on every rank between steps: rows, requests, prefix-cache entries and bytes."""
     return (len(engine.batch), len(engine._requests), len(engine._prefilling), engine.reuse.num_bytes,
             engine.reuse.stats().get("num_entries", 0))
-
-
-def check_distributable(model: Any, kind: str, engine: EngineConfig) -> None:
-    """Refuse, at start-up, what a tensor-parallel group does not run."""
-    if kind == "vision":
-        raise ModelLoadError("[distributed] serves text models only: this is a vision model (serve it with "
-                             "[model] kind = \"text\", or without [distributed])")
-    if engine.speculative.drafter != "none":
-        raise ModelLoadError("[distributed] does not run speculative decoding: set [engine.speculative] drafter = "
-                             "\"none\"")
-    if not hasattr(model, "shard"):
-        raise ModelLoadError(f"{type(model).__module__}: mlx-lm has no tensor-parallel sharding for this model "
-                             "family (no Model.shard)")
 
 
 # ---- rank 0 ----
