@@ -87,6 +87,9 @@ def test_a_batch_speculates_only_when_its_rows_together_gain_more_than_every_row
     assert not batch_pays(losing, [4, 0, 0, 0])
     assert losing.rows[0].spec.reason == "the batch's drafts gain 1.23 tokens a row; a verify step costs 1.80 plain steps"
     assert batch_pays(SimpleNamespace(rows=losing.rows, costs=StepCosts()), [4, 0, 0, 0])  # unknown: measure it
+    fixed = batch(0.5)
+    fixed.rows[0].spec.adaptive = False
+    assert batch_pays(fixed, [4, 0, 0, 0])  # a row drafting a fixed k (adaptive off) always drafts
 
 
 def test_greedy_verification_picks_what_plain_decoding_picks_on_near_tied_bfloat16_logits():
