@@ -97,3 +97,11 @@ class EngineError(MlxdError):
         self.status = status
         if status == 503:
             self.type = "service_unavailable"
+
+
+class DistributedFault(MlxdError):
+    """The ranks of a tensor-parallel group can no longer be known to agree (a step failed on one of them, or their
+    states differ): the job must end, and be restarted."""
+
+    status = 503
+    type = "service_unavailable"

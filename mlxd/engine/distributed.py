@@ -55,13 +55,10 @@ from mlxd.engine.group import (
 )
 from mlxd.engine.row import Refused
 from mlxd.engine.scheduler import SequenceState, StepPlan
+from mlxd.errors import DistributedFault
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.distributed")
-
-
-class DistributedFault(RuntimeError):
-    """The ranks can no longer be known to agree: the job must end."""
 
 
 def rank_stats(engine: BatchedEngine) -> list[int]:
