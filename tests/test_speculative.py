@@ -126,7 +126,9 @@ def test_an_unrelated_drafter_still_gives_the_plain_output(target, unrelated, pl
         if adaptive:  # it does not pay: rows back off, and say why
             assert any(finished.decode["backoffs"] for _, finished in results)
             reasons = [finished.decode.get("backoff_reason", "") for _, finished in results]
-            assert any(re.search(r"a verify step costs [\d.]+ plain steps; drafts gain|acceptance", r) for r in reasons)
+            # The row's own rule (drafts gain less than a verify step costs, or acceptance is low) or the batch's
+            # (its rows together gain less than they all pay), whichever spoke last.
+            assert any(re.search(r"a verify step costs [\d.]+ plain steps|acceptance", r) for r in reasons), reasons
     finally:
         engine.stop()
 
