@@ -34,7 +34,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import DistributedConfig, EngineConfig
-from mlxd.engine.base import EngineRequest
 from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.front import Submitted
@@ -75,10 +74,9 @@ def state_digest(engine: BatchedEngine) -> tuple[int, ...]:
             engine.reuse.stats().get("num_entries", 0))
 
 
-# ---- rank 0 ----
-
-class LeaderEngine(BatchedEngine):
-    """The batching engine on rank 0: plans as usual, and broadcasts each step (see the module docstring)."""
+class GroupEngine(BatchedEngine):
+    """What every rank's engine does alike: tokens shared from rank 0, no retry a peer could not follow, and a
+    failure inside a step ends the job (except refusals every rank makes alike)."""
 
     _retry_groups = False
 
@@ -87,6 +85,22 @@ class LeaderEngine(BatchedEngine):
         super().__init__(model, config, **kwargs)
         self.channel, self.settings = channel, settings
         self.batch = DecodeBatch(model, share=channel.share_tokens)
+
+    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
+        if not isinstance(error, Refused):  # only this rank saw it: the ranks may now disagree
+            raise DistributedFault(f"rank {self.channel.rank}: a request failed in the {phase} phase "
+                                   f"({type(error).__name__}: {error}); the other ranks cannot follow") from error
+        super()._fail(request_id, phase, error)
+
+
+# ---- rank 0 ----
+
+class LeaderEngine(GroupEngine):
+    """The batching engine on rank 0: plans as usual, and broadcasts each step (see the module docstring)."""
+
+    def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig,
+                 **kwargs: Any) -> None:
+        super().__init__(model, config, channel=channel, settings=settings, **kwargs)
         self._idle_wait_s = settings.heartbeat_s
         self._commands: list[Command] = []
         self._last_sent = time.monotonic()
@@ -171,12 +185,6 @@ class LeaderEngine(BatchedEngine):
         self._commands.append(EndAll())
         super()._end_all(message)
 
-    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
-        if not isinstance(error, Refused):  # only rank 0 saw it: the ranks may now disagree
-            raise DistributedFault(f"a request failed in the {phase} phase on rank 0 ({type(error).__name__}: "
-                                   f"{error}); the other ranks cannot follow") from error
-        super()._fail(request_id, phase, error)
-
     def status(self) -> dict[str, Any]:
         status = super().status()
         status["distributed"] = group_status(self)
@@ -220,15 +228,11 @@ class Watchdog(threading.Thread):
 
 # ---- the other ranks ----
 
-class FollowerEngine(BatchedEngine):
+class FollowerEngine(GroupEngine):
     """A rank other than 0: no HTTP, no scheduler decisions; applies rank 0's messages and runs its steps."""
 
-    _retry_groups = False
-
     def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig) -> None:
-        super().__init__(model, config)
-        self.channel, self.settings = channel, settings
-        self.batch = DecodeBatch(model, share=channel.share_tokens)
+        super().__init__(model, config, channel=channel, settings=settings)
         self.last_heard = time.monotonic()
 
     def run(self) -> int:
@@ -263,7 +267,7 @@ class FollowerEngine(BatchedEngine):
         for command in commands:
             if isinstance(command, Submit):
                 request = command.spec.request()
-                submitted = Submitted(request, None, self._state(request))  # type: ignore[arg-type]
+                submitted = Submitted(request, None, SequenceState.for_request(request))  # type: ignore[arg-type]
                 self._pending[request.request_id] = submitted
                 self._accept(submitted)
             elif isinstance(command, Keep):
@@ -281,10 +285,6 @@ class FollowerEngine(BatchedEngine):
                 return False
         return True
 
-    def _state(self, request: EngineRequest) -> SequenceState:
-        return SequenceState(request_id=request.request_id, num_prompt_tokens=len(request.prompt),
-                             prefill_chunk=request.prefill_chunk, max_tokens=request.max_tokens)
-
     def _plan(self, step: Step) -> tuple[StepPlan, list[SequenceState]]:
         states = {request_id: self._requests[request_id].state for request_id, _ in step.prefill}
         plan = StepPlan([(states[request_id], n) for request_id, n in step.prefill], [])
@@ -294,12 +294,6 @@ class FollowerEngine(BatchedEngine):
         """Record what each row fed (rank 0 decides which rows end, and says so in its next message)."""
         for row, emitted in zip(self.batch.rows, tokens, strict=True):
             self._requests[row.request_id].generated.extend(emitted)
-
-    def _fail(self, request_id: str, phase: str, error: Exception) -> None:
-        if not isinstance(error, Refused):
-            raise DistributedFault(f"rank {self.channel.rank}: a request failed in the {phase} phase "
-                                   f"({type(error).__name__}: {error})") from error
-        super()._fail(request_id, phase, error)
 
     def _post(self, submitted: Submitted, event: Any) -> None:
         pass  # nobody listens here: rank 0 answers the clients

@@ -121,14 +121,7 @@ class EngineFront:
         return max(1.0, num_queued / self.config.max_running * (self._mean_duration_s or 1.0))
 
     def submit(self, request: EngineRequest) -> RequestHandle:
-        state = SequenceState(
-            request_id=request.request_id,
-            num_prompt_tokens=len(request.prompt),
-            prefill_chunk=request.prefill_chunk,
-            max_tokens=request.max_tokens,
-            route=request.route,
-            prompt_text=request.prompt_text,
-        )
+        state = SequenceState.for_request(request)
         if self.memory is not None:  # a request that could never fit is a 400 now, not a wait forever
             state.num_kv_bytes = require_fits(self.memory, len(request.prompt), request.max_tokens,
                                               request.prefill_chunk)

@@ -79,7 +79,7 @@ class Step(msgspec.Struct, array_like=True):
 class Message(msgspec.Struct, array_like=True):
     commands: list[Command]
     step: Step | None
-    digest: tuple[int, ...]  # rank 0's state once the commands are applied (see BatchedEngine digest below)
+    digest: tuple[int, ...]  # rank 0's state once the commands are applied (distributed.state_digest)
 
 
 _encoder, _decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
@@ -91,9 +91,8 @@ DECODE_ONLY = Message([], Step([], []), ())
 
 def init_group(config: DistributedConfig) -> Any:
     """Join the group ``mlx.launch`` (or a hostfile's environment) set up; its size must be ``tensor_parallel``."""
-    backend = "any" if config.backend == "any" else config.backend
     try:
-        group = mx.distributed.init(strict=True, backend=backend)
+        group = mx.distributed.init(strict=True, backend=config.backend)
     except (RuntimeError, ValueError) as e:
         raise ModelLoadError(f"[distributed] backend {config.backend!r}: cannot join the group ({e}); start the "
                              "ranks with `mlxd launch --config FILE` or under mlx.launch") from e
@@ -117,7 +116,8 @@ class Channel:
 
     def exchange(self, message: Message | None, stats: list[int]) -> tuple[Message | None, list[dict[str, int]]]:
         """Rank 0 sends ``message`` (the others pass None and get it); every rank's ``stats`` come back to all."""
-        payload = _encoder.encode(message) if self.rank == 0 and message not in (None, DECODE_ONLY) else b""
+        bodiless = message is None or message is DECODE_ONLY
+        payload = _encoder.encode(message) if self.rank == 0 and not bodiless else b""
         size = -1 if self.rank == 0 and message is DECODE_ONLY else len(payload)
         header = mx.array([[size, *stats]], dtype=mx.int32)
         gathered = mx.distributed.all_gather(header, group=self.group).tolist()

@@ -52,6 +52,13 @@ class SequenceState:
     # How it decodes, for /v1/status: {"mode": "plain", "reason": ...} or the speculative row's live counters.
     decode: Any = None
 
+    @classmethod
+    def for_request(cls, request: Any) -> SequenceState:
+        """The state of an engine request (``EngineRequest``) as it is submitted."""
+        return cls(request_id=request.request_id, num_prompt_tokens=len(request.prompt),
+                   prefill_chunk=request.prefill_chunk, max_tokens=request.max_tokens, route=request.route,
+                   prompt_text=request.prompt_text)
+
     @property
     def num_prompt_remaining(self) -> int:
         return self.num_prompt_tokens - self.num_prefilled

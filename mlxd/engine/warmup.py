@@ -151,10 +151,10 @@ def warm_up_verify(model: Any, config: EngineConfig, force: bool = False) -> int
     batches of several rows are that row's cache copied (``merge``), one batch size at a time. The cost:
     ``max_running * k * VERIFY_BUCKETS`` verify passes, once per process.
     """
-    if not (PAD_VERIFY or force) or not all(type(c) is KVCache for c in make_request_cache(model)):
+    base = make_request_cache(model)
+    if not (PAD_VERIFY or force) or not all(type(c) is KVCache for c in base):
         return 0
     k, passes = config.speculative.k, 0
-    base = make_request_cache(model)
     for index in range(VERIFY_BUCKETS):
         _fill(model, base, (index + 1) * BUCKET - k - 1)  # the bucket, less the widest block
         for size in range(1, config.max_running + 1):
