@@ -1,0 +1,216 @@
+"""Where a decode step's time goes at 1, 8 and 16 streams: the model's own floor against the engine.
+
+In one process, on one model, for each batch size B:
+
+* **matmul**: one projection of the model's shape (hidden → MLP width, ``x @ W.T``) for B rows alone, timed over a
+  queue of independent calls (device time per call, and the weight bytes it reads per second);
+* **forward floor**: mlx-lm's model decoding B rows with nothing else: a batched KV cache (mlx-lm's
+  ``BatchKVCache``; B = 1 also with the plain ``KVCache`` that ``generate_step`` uses), greedy argmax, pipelined
+  like ``generate_step`` (the next step is built while the device runs this one). Per step: the host's time to
+  build and dispatch it, the time spent waiting for the device, and the total;
+* **BatchGenerator**: mlx-lm's batched generator (its decode rate, all rows in one batch);
+* **mlxd engine**: the engine, in process (no HTTP), B concurrent requests; its aggregate decode rate and its own
+  per-step breakdown (``/v1/status`` ``step_ms``: schedule, prefill, decode build, decode wait, post-process).
+
+    python benchmarks/step_breakdown.py --tiny qwen3                       # CPU smoke run
+    python benchmarks/step_breakdown.py --model ../models/qwen3-8b --out docs/benchmarks/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from load import direct_batch_generator, pick_prompts, versions  # noqa: E402
+
+
+def matmul_us(hidden: int, width: int, rows: int, dtype, calls: int = 200) -> float:
+    """Device microseconds of one ``(rows, hidden) @ (width, hidden).T`` product, from a queue of ``calls``."""
+    import mlx.core as mx
+
+    weight = mx.random.normal((width, hidden)).astype(dtype)
+    xs = [mx.random.normal((rows, hidden)).astype(dtype) for _ in range(calls)]
+    mx.eval(weight, *xs)
+    mx.eval([x @ weight.T for x in xs[:10]])
+    start = time.perf_counter()
+    mx.eval([x @ weight.T for x in xs])
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool) -> tuple[float, float, float]:
+    """``(build ms, wait ms, total ms)`` per decode step of mlx-lm's model alone, pipelined."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    rows = len(prompts)
+    length = min(len(p) for p in prompts)
+    tokens = mx.array([p[:length] for p in prompts])
+    cache = ([BatchKVCache(left_padding=[0] * rows) for _ in model.layers] if batched
+             else make_prompt_cache(model))
+    logits = model(tokens, cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(y)
+    build = wait = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(nxt)
+        t1 = time.perf_counter()
+        y.tolist()
+        t2 = time.perf_counter()
+        build, wait, y = build + t1 - t0, wait + t2 - t1, nxt
+    y.tolist()
+    total = time.perf_counter() - start
+    return build / steps * 1000, wait / steps * 1000, total / steps * 1000
+
+
+def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
+    """Milliseconds per step of mlxd's decode batch (:class:`~mlxd.engine.batch.DecodeBatch`) driven in a loop on
+    this thread, greedy rows joined through one prompt pass as the engine joins them: the batch step with no
+    engine thread, scheduler, event queue or client around it."""
+    from mlxd.engine.base import SamplingParams
+    from mlxd.engine.batch import DecodeBatch, process_prompts
+    from mlxd.engine.row import Row
+
+    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
+    batch = DecodeBatch(model)
+    if len(rows) == 1:
+        first = process_prompts_one(model, rows[0], prompts[0])
+        batch.add(rows[0], first)
+    else:
+        cache, first = process_prompts(model, rows, prompts)
+        batch.add_batch(rows, cache, first)
+    batch.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch.step()
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def process_prompts_one(model, row, prompt: list[int]):
+    from mlxd.engine.batch import process_prompt
+
+    return process_prompt(model, row, prompt, last=True)
+
+
+def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:
+    """Aggregate decode tok/s of ``prompts`` as concurrent requests, and the engine's step breakdown (ms per step)
+    over the run."""
+    from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+
+    clock = engine.step_times
+    before, steps_before = dict(clock.seconds), clock.num_steps
+
+    async def one(i: int, prompt: list[int]) -> list[float]:
+        times = []
+        request = EngineRequest(request_id=f"{tag}-{i}-{time.monotonic_ns()}", prompt=prompt, max_tokens=max_tokens)
+        async for event in engine.submit(request).events():
+            if isinstance(event, Token):
+                times.append(time.perf_counter())
+            elif isinstance(event, Failed):
+                raise RuntimeError(event.message)
+            elif isinstance(event, Finished):
+                return times
+        raise RuntimeError("no final event")
+
+    async def run() -> list[list[float]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(run())
+    first, last = min(t[0] for t in results), max(t[-1] for t in results)
+    steps = max(clock.num_steps - steps_before, 1)
+    phases = {k: (clock.seconds[k] - before[k]) / steps * 1000 for k in clock.seconds}
+    phases["steps"] = steps
+    return sum(len(t) - 1 for t in results) / (last - first), phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an mlx-lm model folder")
+    parser.add_argument("--tiny", help="build a tiny random model of this arch instead")
+    parser.add_argument("--streams", default="1,8,16")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; the best of each point is kept")
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="also run the engine with this sys.setswitchinterval (seconds)")
+    parser.add_argument("--out", help="write a markdown section here (else print it)")
+    args = parser.parse_args()
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlxd.config.schema import EngineConfig
+    from mlxd.engine.batched import BatchedEngine
+
+    if args.model:
+        path = args.model
+    else:
+        from mlxd.testing.tiny import tiny_model_cached
+
+        path = str(tiny_model_cached(Path(tempfile.mkdtemp()), args.tiny, hidden_size=128, num_layers=4))
+    model, tokenizer = load(path)
+    levels = [int(s) for s in args.streams.split(",")]
+    texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
+    prompts = [tokenizer.encode(t) for t in texts]
+    engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
+    engine.start()
+    embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
+    dtype = embed.dtype if embed is not None else mx.bfloat16
+    args_ = model.args
+    rows: dict[tuple[str, int], str] = {}
+    best: dict[tuple[str, int], float] = {}
+
+    def keep(key: tuple[str, int], score: float, text: str, higher: bool = True) -> None:
+        if key not in best or (score > best[key]) == higher:
+            best[key], rows[key] = score, text
+        print(f"{key}: {text}", flush=True)  # noqa: T201 - progress
+
+    try:
+        for _ in range(args.rounds):
+            for n in levels:
+                us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
+                gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
+                keep(("matmul", n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
+                for batched in ((False, True) if n == 1 else (True,)):
+                    b, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched)
+                    label = "forward floor, " + ("BatchKVCache" if batched else "KVCache")
+                    keep((label, n), t, f"build {b:.2f} ms, wait {w:.2f} ms, step {t:.2f} ms, "
+                                        f"{n * 1000 / t:.0f} tok/s", higher=False)
+                ms = batch_alone(model, prompts[:n], args.max_tokens)
+                keep(("mlxd DecodeBatch alone", n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s", higher=False)
+                result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
+                keep(("BatchGenerator", n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
+                rate, phases = engine_run(engine, prompts[:n], args.max_tokens, "b")
+                detail = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "steps")
+                keep(("mlxd engine", n), rate, f"{rate:.0f} tok/s; ms per step: {detail} "
+                                               f"({phases['steps']} steps)")
+                if args.switch_interval:
+                    default = sys.getswitchinterval()
+                    sys.setswitchinterval(args.switch_interval)
+                    rate, phases = engine_run(engine, prompts[:n], args.max_tokens, "s")
+                    sys.setswitchinterval(default)
+                    detail = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "steps")
+                    keep((f"mlxd engine, switch interval {args.switch_interval * 1000:g} ms", n), rate,
+                         f"{rate:.0f} tok/s; ms per step: {detail}")
+    finally:
+        engine.stop()
+    lines = [f"Model: `{path}`; {args.max_tokens} greedy tokens a stream; best of {args.rounds} rounds.", "",
+             "| what | streams | result |", "|---|---|---|"]
+    lines += [f"| {label} | {n} | {rows[(label, n)]} |" for label, n in rows]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(None).items())]
+    report = "\n".join(lines)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    print(report)  # noqa: T201 - the report
+
+
+if __name__ == "__main__":
+    main()
