@@ -63,7 +63,9 @@ class Prompts:
 def loaded_model(path, counting: bool = False):
     loaded = load(ModelConfig(source=str(path)))
     if counting:
+        twin = loaded.model.text_twin
         loaded.model = CountingVLM(loaded.model.vlm)
+        loaded.model.attach_text_twin(twin)
     return loaded
 
 

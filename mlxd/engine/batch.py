@@ -144,7 +144,7 @@ class DecodeBatch:
         self.costs = StepCosts()
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
-        self._rope_deltas: mx.array | None = None
+        self._positions: dict[str, mx.array] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -180,7 +180,7 @@ class DecodeBatch:
         self._rows_changed()
 
     def _rows_changed(self) -> None:
-        self._rope_deltas = None
+        self._positions = None
         self.speculative = any(row.spec is not None for row in self.rows)
         self.wants_hidden = any(row.wants_hidden for row in self.rows)
 
@@ -298,12 +298,15 @@ class DecodeBatch:
 
     def position_inputs(self) -> dict[str, mx.array]:
         """Per-row position inputs of the next forward pass (any number of positions a row): multimodal RoPE
-        offsets."""
+        offsets. None are needed when every row's positions are its cache offset and the model takes them from
+        the cache (its text twin: :mod:`mlxd.models.text_twin`)."""
         if not self.uses_rope_deltas:
             return {}
-        if self._rope_deltas is None:
-            self._rope_deltas = mx.array([[row.rope_delta] for row in self.rows], dtype=mx.int32)
-        return {"rope_deltas": self._rope_deltas}
+        if self._positions is None:
+            deltas = [row.rope_delta for row in self.rows]
+            needed = any(deltas) or not getattr(self.model, "has_text_twin", False)
+            self._positions = {"rope_deltas": mx.array(deltas, dtype=mx.int32)[:, None]} if needed else {}
+        return self._positions
 
     def _sample_each(self, logprobs: mx.array) -> mx.array:
         """Sample row by row, evaluating each token, so a failure lands on its own row (the slow path)."""

@@ -95,8 +95,10 @@ class VisionPrefill:
         return vision
 
     def status(self) -> dict[str, Any]:
-        """Vision-tower runs (one per image encoded) and the feature cache's counters."""
-        return {"num_vision_calls": self.model.num_vision_calls, "feature_cache": self.features.stats()}
+        """Vision-tower runs (one per image encoded), the feature cache's counters, and whether token-only passes
+        run through the language model's text twin (:mod:`mlxd.models.text_twin`)."""
+        return {"num_vision_calls": self.model.num_vision_calls, "feature_cache": self.features.stats(),
+                "text_twin": self.model.has_text_twin}
 
     def _image(self, digest: str, image: dict[str, Any], num_tokens: int) -> Any:
         """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""

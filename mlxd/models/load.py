@@ -129,6 +129,12 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
     if dtype is not None:
         model = dequantize_model(model)
         model.set_dtype(getattr(mx, dtype))
+    if kind == "vision" and group is None:
+        from mlxd.models.text_twin import language_twin
+
+        twin = language_twin(folder, model.language_model, dequantize=dtype is not None)
+        if twin is not None:
+            model.attach_text_twin(twin)
     if group is not None:
         shard(model, group)
     if dtype is not None or group is not None:

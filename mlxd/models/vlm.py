@@ -10,6 +10,10 @@ needs, in three calls that compose mlx-vlm's public pieces and patch nothing:
 - ``model(ids, cache=..., embeds=..., **extras)`` runs one prompt chunk; ``model(ids, cache=..., rope_deltas=...)``
   runs a decode step of rows that each carry their own position offset.
 
+Passes that feed token ids only (text prompts, decode steps, verification) run through the language model's text
+twin where the family has one (:mod:`mlxd.models.text_twin`: mlx-lm's text model on the same weights, ordinary RoPE
+at each row's position); prompt chunks with image embeddings run through mlx-vlm's language model.
+
 Qwen-VL models keep multimodal position state (``_rope_deltas``, ``_position_ids``) on the model object between
 calls. Rows sharing a batch need their own, so every call here passes positions explicitly (``position_ids`` for
 prompt chunks, per-row ``rope_deltas`` for decode steps) and the state left on the model is never read.
@@ -23,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from mlxd.models.text_twin import ShiftedPositions
 
 # Families whose image inputs split per image and whose features this module knows how to compute and merge.
 _QWEN = ("qwen2_vl", "qwen2_5_vl")
@@ -61,6 +67,20 @@ class VisionLanguageModel(nn.Module):
         self.image_token_id = _image_token_id(model.config)
         self.per_image = self.family in _QWEN + _QWEN3 + _GEMMA3 + _SCATTER
         self.num_vision_calls = 0  # vision-tower runs (images encoded), for tests and /v1/status
+        # mlx-lm's text model on the language weights (outside the parameter tree: the arrays are counted once).
+        self._text: Any = None
+
+    def attach_text_twin(self, twin: Any) -> None:
+        """Run token-only passes through ``twin`` (:func:`mlxd.models.text_twin.language_twin`)."""
+        self._text = twin
+
+    @property
+    def text_twin(self) -> Any:
+        return self._text
+
+    @property
+    def has_text_twin(self) -> bool:
+        return self._text is not None
 
     @property
     def language_model(self) -> Any:
@@ -71,6 +91,12 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.layers
 
     def make_cache(self) -> list[Any]:
+        """A row's cache: mlx-lm's (the text twin's) where there is a twin, so that text rows batch their prompts
+        as on a text model (mlx-vlm's language model drives mlx-lm's attention caches alike), else mlx-vlm's."""
+        if self._text is not None:
+            from mlx_lm.models.cache import make_prompt_cache as text_cache
+
+            return text_cache(self._text)
         from mlx_vlm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.language_model)
@@ -79,6 +105,11 @@ class VisionLanguageModel(nn.Module):
                  rope_deltas: mx.array | None = None, **extras: Any) -> mx.array:
         """Logits for ``inputs`` (B, L). A prompt chunk of a vision row passes its ``embeds`` slice and the
         prompt's ``extras``; a decode step of a multimodal-RoPE model passes ``rope_deltas`` (B, 1)."""
+        if self._text is not None and embeds is None and not extras:
+            if rope_deltas is not None and cache is not None:
+                deltas = rope_deltas.reshape(-1)
+                cache = [ShiftedPositions(layer, deltas) for layer in cache]
+            return self._text(inputs, cache=cache)
         out = self.language_model(inputs, inputs_embeds=embeds, cache=cache,
                                   **self._positions(inputs, cache, rope_deltas, extras))
         return getattr(out, "logits", out)
