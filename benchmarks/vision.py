@@ -45,7 +45,9 @@ SYSTEM_A = "You are a careful assistant who describes pictures for a museum cata
 SYSTEM_B = "Reply in English. " + SYSTEM_A  # differs from its first words on, so the prefix cache misses
 QUESTION = "Describe this picture in detail: its colours, its shapes and what it might show."
 FOLLOW_UP = "Now tell me a long story about the sea, inspired by that picture."
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing may be downloaded
+# Nothing may be downloaded. cuDNN attention off for every server: on CUDA it ends the process on Qwen2.5-VL's
+# vision tower (mlxd.runtime.cuda; mlxd turns it off itself, mlx_vlm.server does not); elsewhere it is not read.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLX_CUDA_USE_CUDNN_SDPA": "0"}
 # workload: (image streams, text streams, servers that run it)
 WORKLOADS = {
     "4 image + 4 text": (4, 4, ("mlxd", "mlx_vlm")),
@@ -225,6 +227,7 @@ def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, s
                     continue
                 if round_ >= 0:
                     rounds.setdefault((workload, name), []).append(streams)
+                    print(f"  {workload} on {name}: {summarize(streams)}", flush=True)
         if round_ >= 0:
             print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     return rounds
