@@ -220,10 +220,12 @@ def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, s
                 port, model = servers[name]
                 max_tokens = 8 if round_ < 0 else args.max_tokens
                 try:
-                    streams = asyncio.run(run_streams(port, model, requests, max_tokens))
-                except (OSError, RuntimeError, ValueError) as e:
-                    errors[f"{workload} / {name}"] = f"{type(e).__name__}: {e}"
-                    print(f"  {workload} on {name} failed: {e}", flush=True)
+                    streams = asyncio.run(asyncio.wait_for(run_streams(port, model, requests, max_tokens),
+                                                           args.workload_timeout))
+                except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+                    reason = str(e) or f"not done after {args.workload_timeout:g} s"
+                    errors[f"{workload} / {name}"] = f"{type(e).__name__}: {reason}"
+                    print(f"  {workload} on {name} failed: {reason}", flush=True)
                     continue
                 if round_ >= 0:
                     rounds.setdefault((workload, name), []).append(streams)
@@ -304,11 +306,12 @@ class Server:
     model: str  # what requests put in "model"
 
 
-def mlxd_server(name: str, model_path: str, tmp: Path, kind: str = "auto") -> Server:
+def mlxd_server(name: str, model_path: str, tmp: Path, kind: str = "auto", log_level: str = "warning") -> Server:
     port = loadgen.free_port()
     command = loadgen.mlxd_command(model_path, port, tmp / name, max_running=8)
     config = Path(command[command.index("--config") + 1])
-    config.write_text(config.read_text().replace("[model]\n", f'[model]\nkind = "{kind}"\n'))
+    text = config.read_text().replace("[model]\n", f'[model]\nkind = "{kind}"\n')
+    config.write_text(text.replace('level = "warning"', f'level = "{log_level}"'))
     return Server(name, command, "/health", "bench")
 
 
@@ -325,7 +328,8 @@ def server_specs(args, tmp: Path) -> list[Server]:
     specs = []
     for name in args.servers.split(","):
         if name in ("mlxd", "mlxd_text"):
-            specs.append(mlxd_server(name, args.model, tmp, "text" if name == "mlxd_text" else "auto"))
+            specs.append(mlxd_server(name, args.model, tmp, "text" if name == "mlxd_text" else "auto",
+                                     args.server_log_level))
         elif name == "mlx_vlm":
             specs.append(mlx_vlm_server(args.model))
         else:
@@ -440,6 +444,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--append", action="store_true", help="add a section to --out instead of replacing it")
     parser.add_argument("--label", default="", help="the section's title (default: the device)")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
+    parser.add_argument("--server-log-level", default="warning", help="mlxd servers' [logging] level")
+    parser.add_argument("--workload-timeout", type=float, default=300.0,
+                        help="seconds one workload may take on one server before it is recorded as failed")
     args = parser.parse_args()
     if bool(args.model) == bool(args.tiny):
         parser.error("give one of --model or --tiny")
