@@ -317,6 +317,16 @@ def ratios(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def model_folder(model: str | None, tiny: str | None, root: Path | None = None) -> str:
+    """``--model``, else a tiny random model of the ``--tiny`` architecture (hidden 128, 4 layers), cached under
+    ``root`` (a fresh temporary folder by default)."""
+    if model:
+        return model
+    from mlxd.testing.tiny import tiny_model_cached
+
+    return str(tiny_model_cached(root or Path(tempfile.mkdtemp()), tiny, hidden_size=128, num_layers=4))
+
+
 def with_openblas() -> None:
     """Re-run this script with OpenBLAS preloaded (as ``mlxd`` runs itself), so that every engine measured here,
     the direct baselines and the servers started from here, computes with the same BLAS."""
@@ -349,9 +359,7 @@ def main() -> None:
     logs = args.logs or tmp
     logs.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        from mlxd.testing.tiny import tiny_model_cached
-
-        args.model = str(tiny_model_cached(tmp / "models", args.tiny, hidden_size=128, num_layers=4))
+        args.model = model_folder(None, args.tiny, tmp / "models")
     from mlx_lm import load
 
     model, tokenizer = load(args.model)

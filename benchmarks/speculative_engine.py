@@ -17,14 +17,13 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from load import direct_generate_step, pick_prompts, versions  # noqa: E402
+from load import direct_generate_step, model_folder, pick_prompts, versions  # noqa: E402
 
 
 def engine_for(model, drafter, max_running: int):
@@ -38,7 +37,8 @@ def engine_for(model, drafter, max_running: int):
     return engine
 
 
-async def _stream(engine, request) -> tuple[list[float], dict]:
+async def stream_times(engine, request) -> tuple[list[float], dict]:
+    """A request's token arrival times on an in-process engine, and its decode summary."""
     from mlxd.engine.base import Failed, Finished, Token
 
     times = []
@@ -60,7 +60,7 @@ def measure(engine, prompts: list[list[int]], max_tokens: int, decode, tag: str)
                               decode=decode) for i, p in enumerate(prompts)]
 
     async def run():
-        return await asyncio.gather(*(_stream(engine, r) for r in requests))
+        return await asyncio.gather(*(stream_times(engine, r) for r in requests))
 
     results = asyncio.run(run())
     first = min(times[0] for times, _ in results)
@@ -102,12 +102,7 @@ def main() -> None:
     from mlxd.engine.base import Plain, Speculative
     from mlxd.testing.oracle_drafter import OracleDrafter
 
-    if args.model:
-        path = args.model
-    else:
-        from mlxd.testing.tiny import tiny_model_cached
-
-        path = str(tiny_model_cached(Path(tempfile.mkdtemp()), args.tiny, hidden_size=128, num_layers=4))
+    path = model_folder(args.model, args.tiny)
     model, tokenizer = load(path)
     texts = pick_prompts(model, tokenizer, args.streams, args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]

@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from load import direct_batch_generator, pick_prompts, versions  # noqa: E402
+from load import direct_batch_generator, model_folder, pick_prompts, versions  # noqa: E402
+from speculative_engine import stream_times  # noqa: E402
 
 
 def matmul_us(hidden: int, width: int, rows: int, dtype, calls: int = 200) -> float:
@@ -104,22 +104,15 @@ def process_prompts_one(model, row, prompt: list[int]):
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:
     """Aggregate decode tok/s of ``prompts`` as concurrent requests, and the engine's step breakdown (ms per step)
     over the run."""
-    from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+    from mlxd.engine.base import EngineRequest
 
     clock = engine.step_times
     before, steps_before = dict(clock.seconds), clock.num_steps
 
     async def one(i: int, prompt: list[int]) -> list[float]:
-        times = []
         request = EngineRequest(request_id=f"{tag}-{i}-{time.monotonic_ns()}", prompt=prompt, max_tokens=max_tokens)
-        async for event in engine.submit(request).events():
-            if isinstance(event, Token):
-                times.append(time.perf_counter())
-            elif isinstance(event, Failed):
-                raise RuntimeError(event.message)
-            elif isinstance(event, Finished):
-                return times
-        raise RuntimeError("no final event")
+        times, _ = await stream_times(engine, request)
+        return times
 
     async def run() -> list[list[float]]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -150,12 +143,7 @@ def main() -> None:
     from mlxd.config.schema import EngineConfig
     from mlxd.engine.batched import BatchedEngine
 
-    if args.model:
-        path = args.model
-    else:
-        from mlxd.testing.tiny import tiny_model_cached
-
-        path = str(tiny_model_cached(Path(tempfile.mkdtemp()), args.tiny, hidden_size=128, num_layers=4))
+    path = model_folder(args.model, args.tiny)
     model, tokenizer = load(path)
     levels = [int(s) for s in args.streams.split(",")]
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
