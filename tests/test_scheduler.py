@@ -214,3 +214,35 @@ def test_no_kv_budget_means_no_byte_limit():
     for name in "abcd":
         scheduler.add(seq(name, 4, kv=10**15))
     assert admitted(scheduler) == ["a", "b", "c", "d"]
+
+
+def test_short_prompts_behind_a_long_one_that_does_not_fit_start_now():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=512)
+    for name, size in [("image0", 323), ("text0", 57), ("image1", 323), ("text1", 57), ("text2", 57),
+                       ("text3", 57)]:
+        scheduler.add(seq(name, size, chunk=512))
+    plans = run_prompt(scheduler)
+    # 512 - 323 - 57 leaves 132: image1 waits, text1 and text2 (114) start in the first step; image1 goes
+    # first in the next one.
+    assert plans[0] == [("image0", 323), ("text0", 57), ("text1", 57), ("text2", 57)]
+    assert plans[1] == [("image1", 323), ("text3", 57)]
+
+
+def test_only_whole_prompts_pass_and_the_head_keeps_a_slot():
+    scheduler = Scheduler(max_running=3, max_waiting=8, step_token_budget=20)
+    for name, size, chunk in [("a", 15, 16), ("head", 16, 16), ("long", 40, 4), ("b", 3, 8), ("c", 1, 8)]:
+        scheduler.add(seq(name, size, chunk=chunk))
+    plan = scheduler.schedule()
+    # "long" would fit a chunk of 4 but not whole: it does not pass; "b" does; "c" would take the head's slot.
+    assert [(s.request_id, n) for s, n in plan.prefill] == [("a", 15), ("b", 3)]
+    assert [s.request_id for s in scheduler.waiting] == ["head", "long", "c"]
+
+
+def test_nothing_passes_a_head_whose_kv_would_then_not_fit():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=20, kv_budget_bytes=400)
+    for name, size, kv in [("a", 15, 100), ("head", 16, 100), ("big", 2, 200), ("small", 2, 100)]:
+        scheduler.add(seq(name, size, chunk=16, kv=kv))
+    plan = scheduler.schedule()
+    # big beside a and head would reserve 4 x 200 > 400: it stops the search (in order), small is not reached.
+    assert [s.request_id for s, _ in plan.prefill] == ["a"]
+    assert [s.request_id for s in scheduler.waiting] == ["head", "big", "small"]

@@ -190,7 +190,8 @@ class Scheduler:
         """Plan the next step: every decoding sequence, then prompt chunks within the token budget.
 
         Prompts already started go first, in arrival order; then waiting requests are admitted while running
-        slots and budget remain.
+        slots and budget remain. When the head of the queue does not fit what is left of the budget, whole prompts
+        behind it that do fit are admitted (:meth:`_admit_behind`); the head goes first next step.
         """
         decode = [s for s in self.running if s.phase == "decode"]
         budget = self.step_token_budget - sum(s.num_feeding for s in decode)
@@ -200,6 +201,8 @@ class Scheduler:
             sequence = started[0] if started else self.waiting[0]
             num_tokens = sequence.next_chunk()
             if prefill and num_tokens > budget:
+                if not started:
+                    prefill += self._admit_behind(sequence, budget)
                 break
             if started:
                 started.pop(0)
@@ -208,6 +211,30 @@ class Scheduler:
             prefill.append((sequence, num_tokens))
             budget -= num_tokens
         return StepPlan(prefill, decode)
+
+    def _admit_behind(self, head: SequenceState, budget: int) -> list[tuple[SequenceState, int]]:
+        """Admit whole prompts waiting behind ``head`` (which does not fit ``budget`` this step) that fit, in
+        order: a short prompt need not wait a step behind a long one (a text question behind an image prompt).
+        Each leaves a running slot and KV room for the head, so that nothing passed makes the head wait longer."""
+        chosen = []
+        for sequence in list(self.waiting)[1:]:
+            num_tokens = sequence.next_chunk()
+            if num_tokens < sequence.num_prompt_remaining or num_tokens > budget:
+                continue
+            if len(self.running) + 2 > self.max_running or not self._fits_all([sequence, head]):
+                break
+            self.waiting.remove(sequence)
+            sequence.phase = "prefill"
+            self.running.append(sequence)
+            chosen.append((sequence, num_tokens))
+            budget -= num_tokens
+        return chosen
+
+    def _fits_all(self, sequences: list[SequenceState]) -> bool:
+        if self.kv_budget_bytes is None:
+            return True
+        rows = [*self.running, *sequences]
+        return len(rows) * max(s.num_kv_bytes for s in rows) <= self.kv_budget_bytes
 
     def on_prefilled(self, sequence: SequenceState, num_tokens: int) -> None:
         """Record a processed chunk; the sequence decodes once its whole prompt is in."""
