@@ -230,6 +230,8 @@ def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, s
                 if round_ >= 0:
                     rounds.setdefault((workload, name), []).append(streams)
                     print(f"  {workload} on {name}: {summarize(streams)}", flush=True)
+                else:
+                    print(f"  warm-up: {workload} on {name} done", flush=True)
         if round_ >= 0:
             print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     return rounds
