@@ -80,28 +80,20 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
     this thread, greedy rows joined through one prompt pass as the engine joins them: the batch step with no
     engine thread, scheduler, event queue or client around it."""
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.batch import DecodeBatch, process_prompts
+    from mlxd.engine.batch import DecodeBatch, process_prompt, process_prompts
     from mlxd.engine.row import Row
 
     rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
     batch = DecodeBatch(model)
     if len(rows) == 1:
-        first = process_prompts_one(model, rows[0], prompts[0])
-        batch.add(rows[0], first)
+        batch.add(rows[0], process_prompt(model, rows[0], prompts[0], last=True))
     else:
-        cache, first = process_prompts(model, rows, prompts)
-        batch.add_batch(rows, cache, first)
+        batch.add_batch(rows, *process_prompts(model, rows, prompts))
     batch.step()
     start = time.perf_counter()
     for _ in range(steps):
         batch.step()
     return (time.perf_counter() - start) / steps * 1000
-
-
-def process_prompts_one(model, row, prompt: list[int]):
-    from mlxd.engine.batch import process_prompt
-
-    return process_prompt(model, row, prompt, last=True)
 
 
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:

@@ -156,12 +156,12 @@ class Scheduler:
     @property
     def num_reserved_bytes(self) -> int:
         """Bytes the running requests reserve: every row padded to the largest reservation among them."""
-        return self.num_reserved_bytes_with(None)
+        return self.num_reserved_bytes_with()
 
-    def num_reserved_bytes_with(self, sequence: SequenceState | None) -> int:
-        """:attr:`num_reserved_bytes` once ``sequence`` runs too (``None``: as things are)."""
-        sequences = self.running if sequence is None else [*self.running, sequence]
-        return len(sequences) * max((s.num_kv_bytes for s in sequences), default=0)
+    def num_reserved_bytes_with(self, *sequences: SequenceState) -> int:
+        """:attr:`num_reserved_bytes` once ``sequences`` run too (none given: as things are)."""
+        rows = [*self.running, *sequences]
+        return len(rows) * max((s.num_kv_bytes for s in rows), default=0)
 
     def num_bytes_needed(self, budget_bytes: int) -> int:
         """What the requests need of ``budget_bytes`` now: the running ones' reservation, with the head of the
@@ -175,10 +175,10 @@ class Scheduler:
         return self._can_admit_head(self.kv_budget_bytes)
 
     def _can_admit_head(self, budget_bytes: int | None) -> bool:
-        return bool(self.waiting) and len(self.running) < self.max_running and self._fits(self.waiting[0], budget_bytes)
+        return bool(self.waiting) and len(self.running) < self.max_running and self._fits(budget_bytes, self.waiting[0])
 
-    def _fits(self, sequence: SequenceState, budget_bytes: int | None) -> bool:
-        return budget_bytes is None or self.num_reserved_bytes_with(sequence) <= budget_bytes
+    def _fits(self, budget_bytes: int | None, *sequences: SequenceState) -> bool:
+        return budget_bytes is None or self.num_reserved_bytes_with(*sequences) <= budget_bytes
 
     def admit(self) -> SequenceState:
         sequence = self.waiting.popleft()
@@ -221,7 +221,7 @@ class Scheduler:
             num_tokens = sequence.next_chunk()
             if num_tokens < sequence.num_prompt_remaining or num_tokens > budget:
                 continue
-            if len(self.running) + 2 > self.max_running or not self._fits_all([sequence, head]):
+            if len(self.running) + 2 > self.max_running or not self._fits(self.kv_budget_bytes, sequence, head):
                 break
             self.waiting.remove(sequence)
             sequence.phase = "prefill"
@@ -229,12 +229,6 @@ class Scheduler:
             chosen.append((sequence, num_tokens))
             budget -= num_tokens
         return chosen
-
-    def _fits_all(self, sequences: list[SequenceState]) -> bool:
-        if self.kv_budget_bytes is None:
-            return True
-        rows = [*self.running, *sequences]
-        return len(rows) * max(s.num_kv_bytes for s in rows) <= self.kv_budget_bytes
 
     def on_prefilled(self, sequence: SequenceState, num_tokens: int) -> None:
         """Record a processed chunk; the sequence decodes once its whole prompt is in."""

@@ -41,14 +41,14 @@ def language_twin(folder: Path, language_model: Any, dequantize: bool) -> Any | 
         text, _ = load_model(folder, lazy=True)
     except (ValueError, FileNotFoundError, KeyError, ImportError, AttributeError, TypeError) as e:
         return _none(folder, f"mlx-lm cannot build its text model: {e}")
+    if not _plain_attention(text_cache(text)):
+        return _none(folder, "mlx-lm's text model uses caches other than plain attention caches")
     if dequantize:
         text = dequantize_model(text)
     shared = _shared_weights(text, language_model)
     if shared is None:
         return _none(folder, "the text model's weights do not map onto the vision model's language weights")
     text.update(tree_unflatten(list(shared.items())))
-    if not _plain_attention(text_cache(text)):
-        return _none(folder, "mlx-lm's text model uses caches other than plain attention caches")
     log.info("language_twin", model=str(folder), parameters=len(shared))
     return text
 
