@@ -185,3 +185,17 @@ def test_a_text_load_holds_the_language_weights_only(tiny_vlm):
     held = mx.get_active_memory() - before
     assert held <= language_bytes * 1.02 < all_bytes, (held, language_bytes, all_bytes)
     assert sum(v.nbytes for _, v in tree_flatten(text.model.parameters())) == language_bytes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preparing_images_never_switches_the_process_wide_mlx_device(family, tiny_vlm, monkeypatch):
+    # MLX's default device is global: a worker thread that entered mx.stream(mx.cpu) while the engine thread built a
+    # step sent the step to the CPU (on a GPU, concurrent image requests seemed to hang).
+    prompts = Prompts(loaded_model(tiny_vlm(family)))
+    switches = []
+    for name in ("stream", "set_default_device", "set_default_stream"):
+        real = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _real=real, _name=name, **k: switches.append(_name) or _real(*a, **k))
+    ids, media = prompts("What is in this picture?", 3)
+    assert media.spans and len(ids) > media.spans[0][1]
+    assert switches == []

@@ -2,10 +2,13 @@
 
 The chat template puts one placeholder where each image is; the processor replaces it with as many placeholder
 tokens as the image has features and computes the pixel inputs. This runs on the worker thread that prepares the
-request, never on the event loop. mlx-vlm's processors return MLX arrays whatever ``return_tensors`` says; they are
-made on the CPU stream of this thread and handed on as numpy arrays, so the engine thread (and its GPU stream) sees
-them only as data. Each image's span of placeholder tokens and its digest travel with
-the prompt as :class:`~mlxd.engine.base.Media`.
+request, never on the event loop. mlx-vlm's processors return MLX arrays whatever ``return_tensors`` says (made from
+numpy, nothing to compute); they are handed on as numpy arrays, so the engine thread sees them only as data. Each
+image's span of placeholder tokens and its digest travel with the prompt as :class:`~mlxd.engine.base.Media`.
+
+Nothing here may switch MLX's device or stream (``mx.stream(...)``): MLX's default device is one for the whole
+process, so a worker that switched it to the CPU while the engine thread built a step sent that step, and with
+racing workers every later one, to the CPU. On a GPU that looked like a hang under concurrent image requests.
 """
 
 from __future__ import annotations
@@ -31,17 +34,14 @@ class ImageInputs:
 
         ``images`` are decoded images (``.image``: a PIL image, ``.digest``) in the order the prompt shows them.
         """
-        import mlx.core as mx
         from mlx_vlm.utils import process_inputs
 
-        with mx.stream(mx.cpu):
-            try:
-                out = process_inputs(self.processor, prompts=[text], images=[i.image for i in images],
-                                     padding=False, return_tensors="np")
-            except (ValueError, TypeError, KeyError, IndexError) as e:
-                raise RequestError(f"the model's processor could not prepare the images: {e}",
-                                   param="messages") from e
-            arrays = {k: np.asarray(v) for k, v in dict(out).items() if v is not None}
+        try:
+            out = process_inputs(self.processor, prompts=[text], images=[i.image for i in images],
+                                 padding=False, return_tensors="np")
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise RequestError(f"the model's processor could not prepare the images: {e}", param="messages") from e
+        arrays = {k: np.asarray(v) for k, v in dict(out).items() if v is not None}
         ids = [int(t) for t in arrays.pop("input_ids").reshape(-1)]
         arrays.pop("attention_mask", None)
         if "images" in arrays:
