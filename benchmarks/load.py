@@ -170,12 +170,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(command: list[str], port: int, log: Path, health: str, env: dict | None = None) -> Iterator[None]:
+def serve(command: list[str], port: int, log: Path, health: str,
+          env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """Start a server process logging to ``log``, wait until ``health`` answers 200, yield the process, stop it."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_ready(port, health, proc, log)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:

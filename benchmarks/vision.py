@@ -47,7 +47,10 @@ QUESTION = "Describe this picture in detail: its colours, its shapes and what it
 FOLLOW_UP = "Now tell me a long story about the sea, inspired by that picture."
 # Nothing may be downloaded. cuDNN attention off for every server: on CUDA it ends the process on Qwen2.5-VL's
 # vision tower (mlxd.runtime.cuda; mlxd turns it off itself, mlx_vlm.server does not); elsewhere it is not read.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLX_CUDA_USE_CUDNN_SDPA": "0"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLX_CUDA_USE_CUDNN_SDPA": "0",
+           # A workload that times out ends its server with SIGABRT: Python then writes every thread's stack to
+           # the server's log, which says where it was stuck (see dump_stacks).
+           "PYTHONFAULTHANDLER": "1"}
 # workload: (image streams, text streams, servers that run it)
 WORKLOADS = {
     "4 image + 4 text": (4, 4, ("mlxd", "mlx_vlm")),
@@ -210,7 +213,8 @@ async def run_streams(port: int, model: str, requests: list[tuple[str, list[dict
     return list(await asyncio.gather(*[stream_chat(port, model, m, max_tokens, kind) for kind, m in requests]))
 
 
-def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, str], list[list[Stream]]]:
+def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
+               errors: dict[str, str]) -> dict[tuple[str, str], list[list[Stream]]]:
     """Every workload on every server that runs it, round after round (a short warm-up round first)."""
     rounds: dict[tuple[str, str], list[list[Stream]]] = {}
     for round_ in range(-1, args.repeats):
@@ -224,6 +228,8 @@ def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, s
                                                            args.workload_timeout))
                 except (OSError, RuntimeError, ValueError, TimeoutError) as e:
                     reason = str(e) or f"not done after {args.workload_timeout:g} s"
+                    if isinstance(e, TimeoutError):
+                        reason += "; " + dump_stacks(procs[name], args.logs)
                     errors[f"{workload} / {name}"] = f"{type(e).__name__}: {reason}"
                     print(f"  {workload} on {name} failed: {reason}", flush=True)
                     continue
@@ -235,6 +241,26 @@ def run_rounds(servers: dict, args, errors: dict[str, str]) -> dict[tuple[str, s
         if round_ >= 0:
             print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     return rounds
+
+
+def dump_stacks(proc: subprocess.Popen, logs: Path | None) -> str:
+    """Where a stuck server is: its threads' Python and native stacks (``py-spy dump --native`` when py-spy is on
+    PATH, into the logs folder), then every thread's Python stack from its fault handler as SIGABRT ends it."""
+    import shutil
+    import signal
+
+    said = []
+    spy = shutil.which("py-spy")
+    if spy and logs:
+        out = logs / f"stacks-{proc.pid}.txt"
+        with open(out, "w") as f:
+            subprocess.run([spy, "dump", "--native", "--pid", str(proc.pid)], stdout=f, stderr=subprocess.STDOUT,
+                           timeout=120, check=False)
+        said.append(f"py-spy stacks in {out}")
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGABRT)
+        said.append("server ended with SIGABRT, its threads' stacks are in its log")
+    return "; ".join(said) or "no stacks taken"
 
 
 def summarize(streams: list[Stream]) -> dict[str, float]:
@@ -339,19 +365,22 @@ def server_specs(args, tmp: Path) -> list[Server]:
     return specs
 
 
-def start_servers(stack: contextlib.ExitStack, specs: list[Server], logs: Path, errors: dict) -> dict:
-    """Start each server; one that fails to start is recorded in ``errors`` (with its log's tail) and left out."""
-    running = {}
+def start_servers(stack: contextlib.ExitStack, specs: list[Server], logs: Path,
+                  errors: dict) -> tuple[dict, dict[str, subprocess.Popen]]:
+    """Start each server; one that fails to start is recorded in ``errors`` (with its log's tail) and left out.
+    Returns ``{name: (port, model)}`` and ``{name: process}``."""
+    running, procs = {}, {}
     for spec in specs:
         port = loadgen.port_of(spec.command)
         try:
-            stack.enter_context(loadgen.serve(spec.command, port, logs / f"{spec.name}.log", spec.health, OFFLINE))
+            procs[spec.name] = stack.enter_context(
+                loadgen.serve(spec.command, port, logs / f"{spec.name}.log", spec.health, OFFLINE))
         except RuntimeError as e:
             errors[spec.name] = str(e)
             print(f"{spec.name} did not start: {e}", flush=True)
             continue
         running[spec.name] = (port, spec.model)
-    return running
+    return running, procs
 
 
 # ---- report ----
@@ -459,7 +488,7 @@ def main() -> None:
     loadgen.with_openblas()  # every server started from here computes with the BLAS mlxd uses
     args = parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-vision-bench-"))
-    logs = args.logs or tmp
+    logs = args.logs = args.logs or tmp
     logs.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         from mlxd.testing.tiny_vlm import tiny_vlm_cached
@@ -469,12 +498,12 @@ def main() -> None:
     env, specs, errors = environment(), server_specs(args, tmp), {}
     cases, rounds = None, {}
     with contextlib.ExitStack() as stack:
-        servers = start_servers(stack, specs, logs, errors)
+        servers, procs = start_servers(stack, specs, logs, errors)
         if "mlxd" in servers:
             print("1. TTFT of an image turn (mlxd)", flush=True)
             cases = ttft_cases(*servers["mlxd"], args)
         print("2, 3. concurrent streams", flush=True)
-        rounds = run_rounds(servers, args, errors)
+        rounds = run_rounds(servers, procs, args, errors)
     text = section(args, env, cases, rounds, errors, specs)
     write_report(args.out, text, args.append)
     print(text)
