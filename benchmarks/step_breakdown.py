@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from compiled_decode import CompiledDecode  # noqa: E402
 from load import direct_batch_generator, model_folder, pick_prompts, versions  # noqa: E402
 from speculative_engine import stream_times  # noqa: E402
 
@@ -45,25 +46,37 @@ def matmul_us(hidden: int, width: int, rows: int, dtype, calls: int = 200) -> fl
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool) -> tuple[float, float, float, float]:
+def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool,
+                  compiled=None) -> tuple[float, float, float, float]:
     """``(graph ms, dispatch ms, wait ms, total ms)`` per decode step of mlx-lm's model alone, pipelined: Python
-    building the step's graph, MLX dispatching it (``async_eval``), waiting for the previous step's tokens."""
+    building the step's graph, MLX dispatching it (``async_eval``), waiting for the previous step's tokens.
+    ``compiled`` (a :class:`compiled_decode.CompiledDecode`) replaces the model's call, on a batched cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
     rows = len(prompts)
     length = min(len(p) for p in prompts)
     tokens = mx.array([p[:length] for p in prompts])
-    cache = ([BatchKVCache(left_padding=[0] * rows) for _ in model.layers] if batched
+    cache = ([BatchKVCache(left_padding=[0] * rows) for _ in model.layers] if batched or compiled
              else make_prompt_cache(model))
     logits = model(tokens, cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(y)
+
+    def decode(y):
+        return compiled(y, cache) if compiled else model(y[:, None], cache=cache)[:, -1, :]
+
+    first = time.perf_counter()
+    for _ in range(2):  # the first step of a batch shape traces the compiled step
+        y = mx.argmax(decode(y), axis=-1)
+        mx.eval(y)
+    print(f"  {rows} rows, {'compiled ' if compiled else ''}first 2 steps {(time.perf_counter() - first) * 1000:.0f} ms",
+          flush=True)  # noqa: T201 - progress: what tracing costs
     graph = dispatch = wait = 0.0
     start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
-        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+        nxt = mx.argmax(decode(y), axis=-1)
         t1 = time.perf_counter()
         mx.async_eval(nxt)
         t2 = time.perf_counter()
@@ -129,6 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the best of each point is kept")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="also run the engine with this sys.setswitchinterval (seconds)")
+    parser.add_argument("--parts", default="matmul,floor,batch,generator,engine",
+                        help="comma list of what to measure: matmul, floor, batch, generator, engine")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
     args = parser.parse_args()
 
@@ -141,8 +156,10 @@ def main() -> None:
     path = model_folder(args.model, args.tiny)
     model, tokenizer = load(path)
     levels = [int(s) for s in args.streams.split(",")]
+    parts = set(args.parts.split(","))
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]
+    compiled = CompiledDecode(model)  # one for the whole run: its traces are kept across rounds
     engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
     engine.start()
     embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
@@ -159,18 +176,26 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for n in levels:
-                us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
-                gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
-                keep(("matmul", n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
-                for batched in ((False, True) if n == 1 else (True,)):
-                    g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched)
-                    label = "forward floor, " + ("BatchKVCache" if batched else "KVCache")
+                if "matmul" in parts:
+                    us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
+                    gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
+                    keep(("matmul", n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
+                floors = ((False, None), (True, None), (True, compiled))[0 if n == 1 else 1:]
+                for batched, comp in floors if "floor" in parts else ():
+                    g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched, comp)
+                    label = "forward floor, " + ("compiled BatchKVCache" if comp else
+                                                 "BatchKVCache" if batched else "KVCache")
                     keep((label, n), t, f"build {g + d:.2f} ms (graph {g:.2f}, dispatch {d:.2f}), wait {w:.2f} ms, "
                                         f"step {t:.2f} ms, {n * 1000 / t:.0f} tok/s", higher=False)
-                ms = batch_alone(model, prompts[:n], args.max_tokens)
-                keep(("mlxd DecodeBatch alone", n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s", higher=False)
-                result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
-                keep(("BatchGenerator", n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
+                if "batch" in parts:
+                    ms = batch_alone(model, prompts[:n], args.max_tokens)
+                    keep(("mlxd DecodeBatch alone", n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s",
+                         higher=False)
+                if "generator" in parts:
+                    result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
+                    keep(("BatchGenerator", n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
+                if "engine" not in parts:
+                    continue
                 rate, phases = engine_run(engine, prompts[:n], args.max_tokens, "b")
                 detail = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "steps")
                 keep(("mlxd engine", n), rate, f"{rate:.0f} tok/s; ms per step: {detail} "
