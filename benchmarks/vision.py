@@ -218,7 +218,8 @@ def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
     """Every workload on every server that runs it, round after round (a short warm-up round first)."""
     rounds: dict[tuple[str, str], list[list[Stream]]] = {}
     for round_ in range(-1, args.repeats):
-        for workload, (_, _, names) in WORKLOADS.items():
+        for workload in args.workloads:
+            names = WORKLOADS[workload][2][:: -1 if round_ % 2 else 1]  # every other round in reverse order
             requests = workload_requests(workload, round_, args.image_size)
             for name in (n for n in names if n in servers and f"{workload} / {n}" not in errors):
                 port, model = servers[name]
@@ -426,8 +427,8 @@ sockets by a small raw-asyncio streaming client, as in `benchmarks/load.py`. Gre
 - **end-to-end tok/s** = the same tokens / (last content frame − first request sent). It also charges the time
   before the first token: the aggregate favours a server that starts every stream late and at once over one that
   starts some streams early.
-- Concurrent workloads run in interleaved rounds, each round with images and prompts no earlier round used (no
-  cache helps across rounds); the best round of each point (by aggregate tok/s over all its streams) is kept, and
+- Concurrent workloads run in interleaved rounds (every other round takes the servers in reverse order), each
+  round with images and prompts no earlier round used (no cache helps across rounds); the best round of each point (by aggregate tok/s over all its streams) is kept, and
   every round's aggregate is listed. Completion tokens are totals, the fewest in one stream in brackets.
 - Images are generated PNGs (8×8-pixel blocks of seeded random colours) sent as `data:` URIs in OpenAI
   `image_url` parts.
@@ -471,6 +472,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
     parser.add_argument("--samples", type=int, default=5, help="distinct images per TTFT case")
     parser.add_argument("--image-size", type=int, default=448, help="pixels of the generated square images")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma list of the concurrent workloads to run: {', '.join(WORKLOADS)}")
     parser.add_argument("--out", type=Path, default=loadgen.ROOT / "docs" / "benchmarks" / "vision.md")
     parser.add_argument("--append", action="store_true", help="add a section to --out instead of replacing it")
     parser.add_argument("--label", default="", help="the section's title (default: the device)")
@@ -481,6 +484,9 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if bool(args.model) == bool(args.tiny):
         parser.error("give one of --model or --tiny")
+    args.workloads = args.workloads.split(",")
+    if unknown := [w for w in args.workloads if w not in WORKLOADS]:
+        parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     return args
 
 
