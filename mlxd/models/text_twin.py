@@ -54,19 +54,26 @@ def language_twin(folder: Path, language_model: Any, dequantize: bool) -> Any | 
 
 
 class ShiftedPositions:
-    """A cache layer seen with its RoPE positions shifted per row: ``offset + deltas`` (``(B,)``), for rows whose
-    positions run behind their cache length after an image (multimodal RoPE). Everything else is the layer's own."""
+    """A cache layer seen with its RoPE positions shifted per row, for rows whose positions run behind their cache
+    length after an image (multimodal RoPE): ``positions`` (``(B,)``) is what the model reads as the layer's
+    ``offset``. Everything else is the layer's own.
 
-    def __init__(self, layer: Any, deltas: mx.array) -> None:
+    Every layer of a forward pass reads its offset before writing to it, and all layers hold the same offsets, so one
+    ``positions`` array (the first layer's offset plus the row's delta, :func:`shifted`) serves the whole pass: no
+    addition per layer and per read on the host."""
+
+    def __init__(self, layer: Any, positions: mx.array) -> None:
         self._layer = layer
-        self._deltas = deltas
-
-    @property
-    def offset(self) -> Any:
-        return self._layer.offset + self._deltas
+        self.offset = positions
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
+
+
+def shifted(cache: list[Any], deltas: mx.array) -> list[Any]:
+    """``cache`` seen with each row's positions shifted by ``deltas`` (``(B,)``) for one forward pass."""
+    positions = cache[0].offset + deltas
+    return [ShiftedPositions(layer, positions) for layer in cache]
 
 
 def _shared_weights(text: Any, language_model: Any) -> dict[str, mx.array] | None:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxd.models.text_twin import ShiftedPositions
+from mlxd.models.text_twin import shifted
 
 # Families whose image inputs split per image and whose features this module knows how to compute and merge.
 _QWEN = ("qwen2_vl", "qwen2_5_vl")
@@ -107,8 +107,7 @@ class VisionLanguageModel(nn.Module):
         prompt's ``extras``; a decode step of a multimodal-RoPE model passes ``rope_deltas`` (B, 1)."""
         if self._text is not None and embeds is None and not extras:
             if rope_deltas is not None and cache is not None:
-                deltas = rope_deltas.reshape(-1)
-                cache = [ShiftedPositions(layer, deltas) for layer in cache]
+                cache = shifted(cache, rope_deltas.reshape(-1))
             return self._text(inputs, cache=cache)
         out = self.language_model(inputs, inputs_embeds=embeds, cache=cache,
                                   **self._positions(inputs, cache, rope_deltas, extras))
