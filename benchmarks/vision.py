@@ -224,6 +224,7 @@ def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
             for name in (n for n in names if n in servers and f"{workload} / {n}" not in errors):
                 port, model = servers[name]
                 max_tokens = 8 if round_ < 0 else args.max_tokens
+                time.sleep(args.settle)
                 try:
                     streams = asyncio.run(asyncio.wait_for(run_streams(port, model, requests, max_tokens),
                                                            args.workload_timeout))
@@ -472,6 +473,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
     parser.add_argument("--samples", type=int, default=5, help="distinct images per TTFT case")
     parser.add_argument("--image-size", type=int, default=448, help="pixels of the generated square images")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds to wait before each workload, so that what the server before it still does "
+                             "after its last stream (freeing memory) is over")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma list of the concurrent workloads to run: {', '.join(WORKLOADS)}")
     parser.add_argument("--out", type=Path, default=loadgen.ROOT / "docs" / "benchmarks" / "vision.md")
