@@ -27,6 +27,8 @@ import json
 import os
 import platform
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -248,9 +250,6 @@ def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
 def dump_stacks(proc: subprocess.Popen, logs: Path | None) -> str:
     """Where a stuck server is: its threads' Python and native stacks (``py-spy dump --native`` when py-spy is on
     PATH, into the logs folder), then every thread's Python stack from its fault handler as SIGABRT ends it."""
-    import shutil
-    import signal
-
     said = []
     spy = shutil.which("py-spy")
     if spy and logs:
@@ -429,8 +428,8 @@ sockets by a small raw-asyncio streaming client, as in `benchmarks/load.py`. Gre
   before the first token: the aggregate favours a server that starts every stream late and at once over one that
   starts some streams early.
 - Concurrent workloads run in interleaved rounds (every other round takes the servers in reverse order), each
-  round with images and prompts no earlier round used (no cache helps across rounds); the best round of each point (by aggregate tok/s over all its streams) is kept, and
-  every round's aggregate is listed. Completion tokens are totals, the fewest in one stream in brackets.
+  round with images and prompts no earlier round used (no cache helps across rounds); the best round of each point
+  (by aggregate tok/s over all its streams) is kept, and every round's aggregate is listed. Completion tokens are totals, the fewest in one stream in brackets.
 - Images are generated PNGs (8×8-pixel blocks of seeded random colours) sent as `data:` URIs in OpenAI
   `image_url` parts.
 """

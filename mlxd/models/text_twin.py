@@ -7,8 +7,8 @@ decode step, speculative verification) can run through mlx-lm's own text model o
 multimodal positions and rotations with separate kernels on every layer (on CUDA its fused path does not apply). Only
 prompt chunks that carry image embeddings need mlx-vlm's model.
 
-The twin is mlx-lm's model for the checkpoint (the one ``[model] kind = "text"`` serves), built lazily: its own
-weights are never read, every parameter is replaced by the vision model's array of the same name and shape (the same
+The twin is mlx-lm's model for the checkpoint (the one ``[model] kind = "text"`` serves), built at load with its
+weights left lazy: they are never read, every parameter is replaced by the vision model's array of the same name and shape (the same
 arrays, no copy). It is made only where it can stand in exactly: every parameter found with its shape, and caches
 of plain attention layers on both sides. Rows then keep mlx-lm's caches, which mlx-vlm's language model drives
 through the same protocol for image prompt chunks. Anything else (hybrid recurrent layers, sliding windows, a
