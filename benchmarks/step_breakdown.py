@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -133,6 +135,24 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> t
     return sum(len(t) - 1 for t in results) / (last - first), phases
 
 
+def report(args, path: str, rows: dict[tuple[str, int], str], best: dict[tuple[str, int], float]) -> None:
+    """Print the best of each point as a markdown table (and write it to ``--out``; the points to ``--json``)."""
+    lines = [f"Model: `{path}`; {args.max_tokens} greedy tokens a stream; best of {args.rounds} rounds.", "",
+             "| what | streams | result |", "|---|---|---|"]
+    lines += [f"| {label} | {n} | {rows[(label, n)]} |" for label, n in rows]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(None).items())]
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
+    lines += ["", "MLX settings from the environment: " + (", ".join(f"`{k}={v}`" for k, v in settings.items())
+                                                         or "none (MLX's defaults)")]
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"what": label, "streams": n, "score": best[(label, n)],
+                                                "text": rows[(label, n)]} for label, n in rows], indent=1))
+    text = "\n".join(lines)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)  # noqa: T201 - the report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model folder")
@@ -142,9 +162,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the best of each point is kept")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="also run the engine with this sys.setswitchinterval (seconds)")
-    parser.add_argument("--parts", default="matmul,floor,batch,generator,engine",
-                        help="comma list of what to measure: matmul, floor, batch, generator, engine")
+    parser.add_argument("--parts", default="matmul,floor,compiled,batch,generator,engine",
+                        help="comma list of what to measure: matmul, floor, compiled, batch, generator, engine")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
+    parser.add_argument("--json", help="also write every point's best result here (label, streams, score)")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -159,7 +180,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]
-    compiled = CompiledDecode(model)  # one for the whole run: its traces are kept across rounds
+    compiled = CompiledDecode(model) if "compiled" in parts else None  # its traces are kept across rounds
     engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
     engine.start()
     embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
@@ -180,8 +201,9 @@ def main() -> None:
                     us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
                     gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
                     keep(("matmul", n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
-                floors = ((False, None), (True, None), (True, compiled))[0 if n == 1 else 1:]
-                for batched, comp in floors if "floor" in parts else ():
+                floors = [*([(False, None)] if n == 1 else []), (True, None)] if "floor" in parts else []
+                floors += [(True, compiled)] if compiled is not None and n > 1 else []
+                for batched, comp in floors:
                     g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched, comp)
                     label = "forward floor, " + ("compiled BatchKVCache" if comp else
                                                  "BatchKVCache" if batched else "KVCache")
@@ -210,14 +232,7 @@ def main() -> None:
                          f"{rate:.0f} tok/s; ms per step: {detail}")
     finally:
         engine.stop()
-    lines = [f"Model: `{path}`; {args.max_tokens} greedy tokens a stream; best of {args.rounds} rounds.", "",
-             "| what | streams | result |", "|---|---|---|"]
-    lines += [f"| {label} | {n} | {rows[(label, n)]} |" for label, n in rows]
-    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(None).items())]
-    report = "\n".join(lines)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
-    print(report)  # noqa: T201 - the report
+    report(args, path, rows, best)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,20 @@ def vision_calls(port: int) -> int:
     return httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=30).json()["vision"]["num_vision_calls"]
 
 
+def engine_clock(port: int) -> tuple[dict[str, float], int]:
+    """The engine's step phases so far (total ms per phase) and its number of steps."""
+    status = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=30).json()
+    steps = status.get("num_steps", 0)
+    return {k: v * steps for k, v in status.get("step_ms", {}).items()}, steps
+
+
+def clock_since(port: int, before: tuple[dict[str, float], int]) -> dict[str, float]:
+    """Mean ms per step, by phase, and the number of steps, since ``before`` (:func:`engine_clock`)."""
+    totals, steps = engine_clock(port)
+    num = steps - before[1]
+    return {**{k: (v - before[0].get(k, 0.0)) / max(num, 1) for k, v in totals.items()}, "steps": num}
+
+
 def clear_prefix_cache(port: int) -> None:
     httpx.delete(f"http://127.0.0.1:{port}/v1/cache", timeout=60).raise_for_status()
 
@@ -215,9 +229,10 @@ async def run_streams(port: int, model: str, requests: list[tuple[str, list[dict
     return list(await asyncio.gather(*[stream_chat(port, model, m, max_tokens, kind) for kind, m in requests]))
 
 
-def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
-               errors: dict[str, str]) -> dict[tuple[str, str], list[list[Stream]]]:
-    """Every workload on every server that runs it, round after round (a short warm-up round first)."""
+def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args, errors: dict[str, str],
+               clocks: dict[tuple[str, str], list[dict[str, float]]]) -> dict[tuple[str, str], list[list[Stream]]]:
+    """Every workload on every server that runs it, round after round (a short warm-up round first). ``clocks``
+    collects mlxd's engine step breakdown over each workload (:func:`clock_since`)."""
     rounds: dict[tuple[str, str], list[list[Stream]]] = {}
     for round_ in range(-1, args.repeats):
         for workload in args.workloads:
@@ -227,6 +242,7 @@ def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
                 port, model = servers[name]
                 max_tokens = 8 if round_ < 0 else args.max_tokens
                 time.sleep(args.settle)
+                before = engine_clock(port) if name.startswith("mlxd") else None
                 try:
                     streams = asyncio.run(asyncio.wait_for(run_streams(port, model, requests, max_tokens),
                                                            args.workload_timeout))
@@ -239,7 +255,10 @@ def run_rounds(servers: dict, procs: dict[str, subprocess.Popen], args,
                     continue
                 if round_ >= 0:
                     rounds.setdefault((workload, name), []).append(streams)
-                    print(f"  {workload} on {name}: {summarize(streams)}", flush=True)
+                    clock = clock_since(port, before) if before is not None else None
+                    if clock is not None:
+                        clocks.setdefault((workload, name), []).append(clock)
+                    print(f"  {workload} on {name}: {summarize(streams)}; engine ms a step: {clock}", flush=True)
                 else:
                     print(f"  warm-up: {workload} on {name} done", flush=True)
         if round_ >= 0:
@@ -294,6 +313,19 @@ def load_table(rounds: dict[tuple[str, str], list[list[Stream]]]) -> str:
             lines.append(f"| {workload} | {LABELS[name]} | {row['streams']} {kind or 'all'} | {row['prompt']:.0f} | "
                          f"{row['tokens']} ({row['min_tokens']}) | {row['ttft_mean']:.3f} | {row['ttft_p50']:.3f} | "
                          f"{row['tok_s']:.0f} | {every} | {row['e2e_tok_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def clock_table(clocks: dict[tuple[str, str], list[dict[str, float]]]) -> str:
+    """mlxd's engine steps over each workload: mean ms per step by phase (over every round), steps per round."""
+    phases = ("schedule", "prefill", "decode_build", "decode_wait", "post_process")
+    lines = ["| workload | server | steps a round | " + " | ".join(p.replace("_", " ") for p in phases) +
+             " | step total |", "|---|---|---|" + "---|" * (len(phases) + 1)]
+    for (workload, name), runs in clocks.items():
+        steps = sum(r["steps"] for r in runs)
+        mean = {p: sum(r.get(p, 0.0) * r["steps"] for r in runs) / max(steps, 1) for p in phases}
+        lines.append(f"| {workload} | {LABELS[name]} | {', '.join(str(r['steps']) for r in runs)} | "
+                     + " | ".join(f"{mean[p]:.2f}" for p in phases) + f" | {sum(mean.values()):.2f} |")
     return "\n".join(lines)
 
 
@@ -435,7 +467,8 @@ sockets by a small raw-asyncio streaming client, as in `benchmarks/load.py`. Gre
 """
 
 
-def section(args, env: dict, cases: list[Case] | None, rounds: dict, errors: dict, specs: list[Server]) -> str:
+def section(args, env: dict, cases: list[Case] | None, rounds: dict, errors: dict, specs: list[Server],
+            clocks: dict) -> str:
     parts = [f"## {args.label or env['device']} ({env['date']})",
              "Command: `" + " ".join(["python", *map(shlex.quote, sys.argv)]) + "`",
              f"Host: {env['host']}. Device: {env['device']}.\n\nVersions: {env['versions']}.",
@@ -448,6 +481,9 @@ def section(args, env: dict, cases: list[Case] | None, rounds: dict, errors: dic
         parts += ["### 1. TTFT of an image turn (mlxd)", ttft_table(cases)]
     if rounds:
         parts += ["### 2, 3. Concurrent streams", load_table(rounds), ratio_lines(rounds)]
+    if clocks:
+        parts += ["mlxd's engine over each workload (`/v1/status` `step_ms` and `num_steps` before and after it; "
+                  "ms a step, mean over every round):", clock_table(clocks)]
     if errors:
         parts.append("Failures:\n" + "\n".join(f"- {key}: ```{text[-1500:]}```" for key, text in errors.items()))
     return "\n\n".join(parts) + "\n"
@@ -505,15 +541,15 @@ def main() -> None:
         args.model = str(tiny_vlm_cached(Path(tempfile.gettempdir()) / "mlxd-bench-models", args.tiny))
     args.model = str(Path(args.model).resolve())
     env, specs, errors = environment(), server_specs(args, tmp), {}
-    cases, rounds = None, {}
+    cases, rounds, clocks = None, {}, {}
     with contextlib.ExitStack() as stack:
         servers, procs = start_servers(stack, specs, logs, errors)
         if "mlxd" in servers:
             print("1. TTFT of an image turn (mlxd)", flush=True)
             cases = ttft_cases(*servers["mlxd"], args)
         print("2, 3. concurrent streams", flush=True)
-        rounds = run_rounds(servers, procs, args, errors)
-    text = section(args, env, cases, rounds, errors, specs)
+        rounds = run_rounds(servers, procs, args, errors, clocks)
+    text = section(args, env, cases, rounds, errors, specs, clocks)
     write_report(args.out, text, args.append)
     print(text)
 

@@ -48,6 +48,7 @@ def test_prompt_lookup_serves_the_plain_output_and_says_so(tmp_path, tiny_model_
     assert status["speculative"]["acceptance"] is not None
     assert set(status["step_ms"]) == {"schedule", "prefill", "decode_build", "decode_wait",
                                                 "post_process"}
+    assert status["num_steps"] > 0
 
 
 def test_off_by_default_unless_the_request_asks(tmp_path, tiny_model_dir):

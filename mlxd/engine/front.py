@@ -168,7 +168,8 @@ class EngineFront:
             },
             "totals": dict(self.totals),
             "speculative": self._speculative_status(),
-            **({"step_ms": self.step_times.status()} if hasattr(self, "step_times") else {}),
+            **({"step_ms": self.step_times.status(), "num_steps": self.step_times.num_steps}
+               if hasattr(self, "step_times") else {}),
             "memory": {
                 "active_bytes": mx.get_active_memory(),
                 "peak_bytes": mx.get_peak_memory(),
