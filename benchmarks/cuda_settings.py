@@ -23,11 +23,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 PRESETS = {
-    "MLX's defaults": {},
-    "bytes unbounded": {"MLX_MAX_MB_PER_BUFFER": "1000000"},
-    "200 ops, bytes unbounded": {"MLX_MAX_OPS_PER_BUFFER": "200", "MLX_MAX_MB_PER_BUFFER": "1000000"},
-    "1000 ops, bytes unbounded": {"MLX_MAX_OPS_PER_BUFFER": "1000", "MLX_MAX_MB_PER_BUFFER": "1000000"},
-    "no CUDA graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
+    "defaults": {},
+    "mb-unbounded": {"MLX_MAX_MB_PER_BUFFER": "1000000"},
+    "ops200-mb-unbounded": {"MLX_MAX_OPS_PER_BUFFER": "200", "MLX_MAX_MB_PER_BUFFER": "1000000"},
+    "ops1000-mb-unbounded": {"MLX_MAX_OPS_PER_BUFFER": "1000", "MLX_MAX_MB_PER_BUFFER": "1000000"},
+    "no-graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
 }
 
 
@@ -75,7 +75,7 @@ def table(results: dict[str, list[list[dict]]], args) -> str:
     """Per point and setting: the best step time over the runs, every run's, and the ratio to MLX's defaults."""
     points = sorted({(p["what"], p["streams"]) for runs in results.values() for run in runs for p in run},
                     key=lambda k: (k[1], k[0]))
-    base = "MLX's defaults"
+    base = "defaults"
     lines = [f"Model: `{args.model or args.tiny}`; {args.max_tokens} greedy tokens a step loop; every setting in "
              f"its own process, {2 * args.rounds} runs each (settings in forward, then reverse order). Step time in "
              "ms (best; every run); speed against MLX's defaults from the best runs.", "",
