@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from mlxd import __version__
 from mlxd.errors import ConfigError, MlxdError
@@ -102,7 +103,7 @@ def check_config(argv: list[str]) -> int:
     return 0
 
 
-def serve(argv: list[str]) -> int:
+def serve(argv: list[str]) -> int:  # returns only on errors: serving ends the process (end_process)
     args = serve_parser().parse_args(argv)
     from mlxd.runtime.blas import maybe_reexec_with_openblas
 
@@ -138,12 +139,18 @@ def serve(argv: list[str]) -> int:
                             pipeline=[name for name, _ in pipeline.stages],
                             **({"rank": 0, "size": group.size()} if group is not None else {}))
     daemon = Daemon(config, pipeline, base_dir=base_dir, group=group)
-    code = run_server(create_app(daemon), daemon, config_path=args.config)
-    if group is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # the engine thread may be blocked inside a collective with a rank that is gone
-    return code
+    end_process(run_server(create_app(daemon), daemon, config_path=args.config))
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with ``code`` once serving has stopped (the engine thread joined, every log line written),
+    without the interpreter's teardown. Its C++ static destructors are where MLX 0.32's CUDA backend aborts
+    (SIGABRT: exit status 134, "terminate called without an active exception") while it frees the cuDNN attention
+    plans the engine thread built, which made every clean stop on an NVIDIA GPU look like a crash to systemd. Under
+    ``[distributed]`` the engine thread may also be blocked inside a collective with a rank that is gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

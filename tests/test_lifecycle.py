@@ -1,10 +1,12 @@
 """The daemon's lifecycle as an operator sees it: a huge prompt never stalls the server, a missing or unloadable
-model exits non-zero, SIGTERM drains within `drain_timeout_s` and exits 0, a second signal exits at once."""
+model exits non-zero, SIGTERM drains within `drain_timeout_s` and exits 0 (skipping the interpreter's teardown), a
+second signal exits at once."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -309,3 +311,31 @@ def test_health_reports_a_dead_engine(tiny_model_dir, tmp_path):
         assert "EngineKilled" in reasons[0]
         later = client.post("/v1/completions", json={**body, "prompt": "hello"})
         assert later.status_code == 503
+
+
+def test_a_clean_stop_ends_the_process_without_the_interpreter_teardown(tiny_model_dir, tmp_path):
+    """On an NVIDIA GPU, MLX's C++ teardown aborted every stop (exit 134); mlxd skips it once serving has stopped.
+    A ``sitecustomize`` module registers an exit handler that marks a file: it runs in a normal Python exit (the
+    control) and must not run when mlxd stops."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    marker = tmp_path / "teardown-ran"
+    (hooks / "sitecustomize.py").write_text(
+        f"import atexit, pathlib\natexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('ran'))\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}
+    control = subprocess.run([sys.executable, "-c", "pass"], env={**os.environ, **env}, timeout=60)
+    assert control.returncode == 0 and marker.exists()
+    marker.unlink()
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port)
+    with serve_subprocess(config, port, env=env) as (base, proc):
+        reply = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 4},
+                           timeout=30)
+        assert reply.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 0
+    assert not marker.exists()
+    log = (tmp_path / f"server-{port}.log").read_text()
+    events = [msgspec.json.decode(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "shutdown" for e in events)  # the last line was written before the process ended
