@@ -103,7 +103,8 @@ def check_config(argv: list[str]) -> int:
     return 0
 
 
-def serve(argv: list[str]) -> int:  # returns only on errors: serving ends the process (end_process)
+def serve(argv: list[str]) -> NoReturn:
+    """Serve until stopped, then end the process (:func:`end_process`); errors before serving raise."""
     args = serve_parser().parse_args(argv)
     from mlxd.runtime.blas import maybe_reexec_with_openblas
 
@@ -134,7 +135,7 @@ def serve(argv: list[str]) -> int:  # returns only on errors: serving ends the p
             from mlxd.daemon import run_follower
 
             get_logger("mlxd").info("starting", config=str(args.config), rank=group.rank(), size=group.size())
-            os._exit(run_follower(config, group, base_dir))  # threads blocked in a collective must not hold exit
+            end_process(run_follower(config, group, base_dir))
     get_logger("mlxd").info("starting", config=str(args.config), host=server.host, port=server.port,
                             pipeline=[name for name, _ in pipeline.stages],
                             **({"rank": 0, "size": group.size()} if group is not None else {}))
@@ -147,7 +148,7 @@ def end_process(code: int) -> NoReturn:
     without the interpreter's teardown. Its C++ static destructors are where MLX 0.32's CUDA backend aborts
     (SIGABRT: exit status 134, "terminate called without an active exception") while it frees the cuDNN attention
     plans the engine thread built, which made every clean stop on an NVIDIA GPU look like a crash to systemd. Under
-    ``[distributed]`` the engine thread may also be blocked inside a collective with a rank that is gone."""
+    ``[distributed]`` a thread may also be blocked inside a collective with a rank that is gone."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             from mlxd.service import main as service_main
 
             return service_main(argv[1:])
-        return serve(argv)
+        serve(argv)
     except MlxdError as e:
         print(f"mlxd: error: {e.message}", file=sys.stderr)
         return 2
