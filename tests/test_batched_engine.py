@@ -193,6 +193,39 @@ def test_short_prompts_arriving_together_share_one_forward_pass(reference):
         assert tokens == solo_tokens(model, prompt, 16)
 
 
+@pytest.mark.parametrize(("gather_ms", "gap_s", "expected_passes"), [(100.0, 0.02, 1), (0.0, 0.1, 2)])
+def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(reference, gather_ms, gap_s,
+                                                                              expected_passes):
+    model, tokenizer = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64,
+                                                  gather_ms=gather_ms))
+    engine.start()
+    counting.calls.clear()  # warm-up
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[4])]
+    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=8, prefill_chunk=64)
+                for i, p in enumerate(prompts)]
+
+    async def scenario():
+        tasks = []
+        for request in requests:  # the first wakes the engine; the others come gap_s apart
+            tasks.append(asyncio.create_task(collect_tokens(engine, request)))
+            await asyncio.sleep(gap_s)
+        return await asyncio.gather(*tasks)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    if expected_passes == 1:  # gathered: one left-padded pass
+        assert prefill_calls == [(3, max(len(p) for p in prompts))]
+    else:  # not gathered: the first prompt ran alone, before the others arrived
+        assert prefill_calls[0] == (1, len(prompts[0])) and len(prefill_calls) >= 2, prefill_calls
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, 8)
+
+
 def engine_processors(bias: dict[int, float]) -> list:
     from mlxd.engine.sampling import make_request_processors
 
