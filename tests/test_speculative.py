@@ -261,7 +261,7 @@ def test_verify_passes_over_padded_caches_give_the_plain_output(target, unrelate
     import mlxd.engine.target
     from mlxd.engine.padded import padded
 
-    monkeypatch.setattr(mlxd.engine.target, "PAD_VERIFY", True)
+    monkeypatch.setattr(mlxd.engine.target, "pad_verify", lambda: True)
     calls = []
     monkeypatch.setattr(mlxd.engine.target, "padded", lambda cache: calls.append(1) or padded(cache))
     model, tokenizer = target

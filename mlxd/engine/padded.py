@@ -19,9 +19,15 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxd.runtime.cuda import cudnn_attention
+
 BUCKET = 1024
-# Only where attention plans are built per shape; elsewhere padding would only add work.
-PAD_VERIFY = mx.cuda.is_available()
+
+
+def pad_verify() -> bool:
+    """Only where attention plans are built per shape (cuDNN attention, which mlxd turns off unless the operator
+    turns it on: :mod:`mlxd.runtime.cuda`); elsewhere padding would only add work."""
+    return cudnn_attention()
 
 
 def bucket(length: int) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import start_speculative_cache
 
-from mlxd.engine.padded import PAD_VERIFY, padded
+from mlxd.engine.padded import pad_verify, padded
 
 
 def forward(model: Any, inputs: mx.array, cache: list[Any], *, hidden: bool = False,
@@ -33,7 +33,7 @@ def verify(model: Any, inputs: mx.array, cache: list[Any], **kwargs: Any) -> tup
         return model.verify_forward(inputs, cache, **kwargs)
     transaction = start_speculative_cache(cache, inputs.shape[1])
     try:
-        return model(inputs, cache=padded(cache) if PAD_VERIFY else cache, **kwargs), None, transaction
+        return model(inputs, cache=padded(cache) if pad_verify() else cache, **kwargs), None, transaction
     except BaseException:
         transaction.abort()
         raise

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.batch import DecodeBatch, can_batch_prompts, process_prompt, process_prompts
-from mlxd.engine.padded import BUCKET, PAD_VERIFY
+from mlxd.engine.padded import BUCKET, pad_verify
 from mlxd.engine.row import Row, make_request_cache
 from mlxd.engine.target import verify
 
@@ -152,7 +152,7 @@ def warm_up_verify(model: Any, config: EngineConfig, force: bool = False) -> int
     ``max_running * k * VERIFY_BUCKETS`` verify passes, once per process.
     """
     base = make_request_cache(model)
-    if not (PAD_VERIFY or force) or not all(type(c) is KVCache for c in base):
+    if not (pad_verify() or force) or not all(type(c) is KVCache for c in base):
         return 0
     k, passes = config.speculative.k, 0
     for index in range(VERIFY_BUCKETS):

@@ -118,12 +118,12 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
+    from mlxd.runtime.cuda import prepare_attention
+
+    prepare_attention(kind)
     processor = None
     if kind == "vision":
         from mlxd.models.vision_load import load_vision
-        from mlxd.runtime.cuda import prepare_for_vision
-
-        prepare_for_vision()
 
         model, tokenizer, processor, model_config = load_vision(folder)
     else:
