@@ -226,6 +226,43 @@ def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(ref
         assert tokens == solo_tokens(model, prompt, 8)
 
 
+@pytest.mark.parametrize(("min_tokens", "grouped"), [(32, True), (1, False)])
+def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(reference, min_tokens, grouped):
+    """A cached state covering a few tokens (a chat template's header, shared by every request) is not worth
+    reusing when it would take a prompt out of the pass it shares with the prompts arriving with it."""
+    model, _ = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64,
+                                                  gather_ms=100.0, prefix_cache_min_tokens=min_tokens))
+    engine.start()
+    header = [5, 6, 7]
+    first = EngineRequest(request_id="first", prompt=header + list(range(10, 40)), max_tokens=4, prefill_chunk=64)
+    prompts = [header + [(50 + 7 * i + j) % 200 + 10 for j in range(30)] for i in range(3)]
+    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=6, prefill_chunk=64)
+                for i, p in enumerate(prompts)]
+
+    async def scenario():
+        await collect_tokens(engine, first)  # its prompt and output are now in the prefix cache
+        counting.calls.clear()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(collect_tokens(engine, request)))
+            await asyncio.sleep(0.02)
+        return await asyncio.gather(*tasks)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    if grouped:
+        assert prefill_calls == [(3, 33)]
+    else:  # each reused the 3 cached tokens and ran the rest of its prompt alone
+        assert prefill_calls == [(1, 30)] * 3, prefill_calls
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, 6)
+
+
 def engine_processors(bias: dict[int, float]) -> list:
     from mlxd.engine.sampling import make_request_processors
 

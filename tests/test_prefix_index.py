@@ -64,6 +64,16 @@ def test_the_entry_that_skips_most_tokens_wins_and_ties_need_no_trim():
     assert index.match(P) == Match(far, 9, 1, "diverged")
 
 
+def test_a_match_shorter_than_the_minimum_is_no_match():
+    index = PrefixIndex()
+    shared = index.add(P[:3] + [7, 8, 9], trimmable=True)  # shares 3 tokens with P
+    prefix = index.add(P[:5], trimmable=False)
+    assert index.match(P, min_tokens=5) == Match(prefix, 5, 0, "prefix")
+    assert index.match(P, min_tokens=6) is None
+    assert index.match(P[:4] + [0, 0], min_tokens=3) == Match(shared, 3, 3, "diverged")
+    assert index.match(P[:4] + [0, 0], min_tokens=4) is None
+
+
 def test_a_prompt_of_one_token_never_matches():
     index = PrefixIndex()
     index.add(P[:1], trimmable=True)

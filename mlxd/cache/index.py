@@ -108,20 +108,23 @@ class PrefixIndex:
     def is_trimmable(self, entry_id: int) -> bool:
         return self._entries[entry_id].trimmable
 
-    def match(self, prompt: Sequence[int]) -> Match | None:
-        """The entry that lets ``prompt`` skip the most tokens (at most ``len(prompt) - 1``), or None.
+    def match(self, prompt: Sequence[int], min_tokens: int = 1) -> Match | None:
+        """The entry that lets ``prompt`` skip the most tokens (at most ``len(prompt) - 1``), or None, also when
+        the most is fewer than ``min_tokens``.
 
         Ties go to the kind that needs no trimming. Does not touch LRU order (the caller does, on use).
         """
         tokens = tuple(prompt)
         limit = len(tokens) - 1
-        if limit < 1:
+        if limit < max(1, min_tokens):
             return None
         path, partial = self._path(tokens)
         prefix = next((n for n in reversed(path) if n.entry_id is not None and n.depth <= limit), None)
         num_prefix = prefix.depth if prefix is not None else 0
         subtree, shared = self._deepest_trimmable(path, partial)
         num_trimmed = min(shared, limit) if subtree is not None else 0
+        if max(num_trimmed, num_prefix) < min_tokens:
+            return None
         if subtree is not None and num_trimmed > num_prefix:
             node = self._shallowest_trimmable(subtree)
             return Match(node.entry_id, num_trimmed, node.depth - num_trimmed, _trim_kind(node.depth, shared, tokens))

@@ -86,11 +86,12 @@ class PrefixCache:
         self._hits: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
 
-    def lookup(self, tokens: Sequence[int] | Any) -> Hit:
-        """The longest reusable state for ``tokens``, ready to continue from token ``num_cached``."""
+    def lookup(self, tokens: Sequence[int] | Any, min_tokens: int = 1) -> Hit:
+        """The longest reusable state for ``tokens``, ready to continue from token ``num_cached``; a miss when it
+        covers fewer than ``min_tokens``."""
         tokens = _as_tokens(tokens)
         with self._lock:
-            match = self._index.match(tokens)
+            match = self._index.match(tokens, min_tokens)
             if match is None:
                 self._counts["num_misses"] += 1
                 return MISS

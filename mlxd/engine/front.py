@@ -63,7 +63,7 @@ class EngineFront:
         self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
         self._lock = threading.Lock()
         self._pending: dict[str, Submitted] = {}  # submitted on the event loop, not yet applied here
-        self.reuse = PromptReuse(config.prefix_cache_bytes)
+        self.reuse = PromptReuse(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self.memory: MemoryBudget | None = None  # measured at warm-up, on the engine thread
         self.totals = {
             "num_requests": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,

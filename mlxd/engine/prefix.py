@@ -26,11 +26,17 @@ def is_trimmable(layers: Sequence[Any]) -> bool:
 class PromptReuse:
     """The engine's prefix cache, or nothing when its budget is 0."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, min_tokens: int = 1) -> None:
         self.cache = PrefixCache(budget_bytes) if budget_bytes > 0 else None
+        self.min_tokens = min_tokens
 
     def lookup(self, prompt: Sequence[int]) -> Hit:
-        return self.cache.lookup(prompt) if self.cache is not None else MISS
+        """The longest state worth reusing: one that covers ``min_tokens`` or half the prompt. A shorter one (the
+        first tokens of a chat template, which every request shares) saves less than it costs: a prompt that
+        starts from a cached state runs alone, not in one pass with the prompts arriving with it."""
+        if self.cache is None:
+            return MISS
+        return self.cache.lookup(prompt, min(self.min_tokens, max(1, len(prompt) // 2)))
 
     def keep(self, tokens: Sequence[int], layers: Sequence[Any]) -> None:
         """Snapshot ``layers``, which hold exactly ``tokens`` (batch size 1)."""
