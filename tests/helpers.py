@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT_PIPELINE = ROOT / "mlxd" / "pipelines" / "chat.toml"
 
 
+# For tests of prefix-cache hits on short prompts: reuse any cached state, however short (by default a state is
+# reused only when it covers 32 tokens or more: [engine] prefix_cache_min_tokens).
+SHORT_HITS = "[engine]\nprefix_cache_min_tokens = 1\n"
+
+
 def write_config(tmp: Path, model_dir: Path, *, pipeline: str | None = None, extra: str = "",
                  model_extra: str = "", server_extra: str = "", port: int = 8080) -> Path:
     """A daemon config for a tiny model; greedy by default so outputs are comparable. ``extra`` is appended

@@ -34,7 +34,7 @@ from mlxd.config.schema import SamplingDefaults
 from mlxd.errors import ContextLengthExceeded, EngineError, NotReady, Overloaded, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
 from mlxd.testing.tool_templates import TOOL_TEMPLATES
-from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
 
 KEY = "test-anthropic-key"
 TOOLS = [{"name": "get_weather", "description": "Weather for a city.",
@@ -226,7 +226,7 @@ def daemons(tiny_model_dir, tmp_path_factory):
                           server_extra='api_keys_file = "api.keys"\nmax_body_bytes = 1048576',
                           extra="[engine]\nprefix_cache_bytes = 0\nmax_running = 1\nmax_waiting = 1\n")
     plain_tmp, plain_port = tmp_path_factory.mktemp("anthropic-plain"), free_port()
-    plain_config = write_config(plain_tmp, tiny_model_dir, port=plain_port)
+    plain_config = write_config(plain_tmp, tiny_model_dir, port=plain_port, extra=SHORT_HITS)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "wb"))
         proc = subprocess.Popen([sys.executable, "-m", "tests.scripted_server", str(config), str(script)],

@@ -41,7 +41,7 @@ from mlxd.engine.group import (
     _encoder,
 )
 from mlxd.errors import ConfigError, ModelLoadError
-from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
 
 DISTRIBUTED = """
 [distributed]
@@ -53,8 +53,8 @@ step_timeout_s = {timeout}
 """
 
 
-def distributed_config(tmp: Path, model_dir: Path, port: int, timeout: float = 30) -> Path:
-    extra = DISTRIBUTED.format(ring_port=free_port(), timeout=timeout)
+def distributed_config(tmp: Path, model_dir: Path, port: int, timeout: float = 30, extra: str = "") -> Path:
+    extra = DISTRIBUTED.format(ring_port=free_port(), timeout=timeout) + extra
     return write_config(tmp, model_dir, port=port, extra=extra, model_extra="", server_extra="")
 
 
@@ -109,8 +109,8 @@ def test_tensor_parallel_matches_one_process_and_hits_the_prefix_cache_on_both_r
     single_port, group_port = free_port(), free_port()
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    single = write_config(tmp_path / "one", tiny_qwen3_dir, port=single_port)
-    group = distributed_config(tmp_path / "two", tiny_qwen3_dir, group_port)
+    single = write_config(tmp_path / "one", tiny_qwen3_dir, port=single_port, extra=SHORT_HITS)
+    group = distributed_config(tmp_path / "two", tiny_qwen3_dir, group_port, extra=SHORT_HITS)
     with serve_subprocess(single, single_port) as (base, _):
         expected = eight_at_once(base)
         expected_turn2, _ = conversation(base)

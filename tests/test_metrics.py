@@ -9,7 +9,7 @@ from mlxd.api.metrics import Metrics
 from mlxd.api.respond import Trace
 from mlxd.pipeline.events import Done
 from mlxd.pipeline.job import Job
-from tests.helpers import app_client, sse_events, write_config
+from tests.helpers import SHORT_HITS, app_client, sse_events, write_config
 
 MESSAGES = [{"role": "user", "content": "Tell me about cats."}]
 
@@ -34,7 +34,7 @@ def value(samples, name: str, **labels) -> float:
 
 
 def test_counts_match_what_was_sent(tiny_model_dir, tmp_path):
-    config = write_config(tmp_path, tiny_model_dir, model_extra="context_length = 512")
+    config = write_config(tmp_path, tiny_model_dir, model_extra="context_length = 512", extra=SHORT_HITS)
     with app_client(config) as (client, _):
         usages = []
         for max_tokens in (6, 8, 8):  # the last two are the same request: a prefix-cache hit

@@ -104,9 +104,9 @@ class EngineConfig(Base):
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
-    # A cached state covering fewer prompt tokens than this (and less than half the prompt) is not reused: it saves
-    # less than it costs, since a prompt that starts from a cached state runs alone instead of in one pass with the
-    # prompts arriving with it (a chat template's first few tokens are shared by every request).
+    # A cached state covering fewer prompt tokens than this is not reused: it saves less than it costs, since a
+    # prompt that starts from a cached state runs alone instead of in one pass with the prompts arriving with it
+    # (a chat template's first tokens, or a short system prompt, are shared by many requests).
     prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
     # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
     # re-sent in a later turn costs no vision-tower run; 0 turns it off.

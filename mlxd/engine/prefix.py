@@ -31,12 +31,10 @@ class PromptReuse:
         self.min_tokens = min_tokens
 
     def lookup(self, prompt: Sequence[int]) -> Hit:
-        """The longest state worth reusing: one that covers ``min_tokens`` or half the prompt. A shorter one (the
-        first tokens of a chat template, which every request shares) saves less than it costs: a prompt that
-        starts from a cached state runs alone, not in one pass with the prompts arriving with it."""
-        if self.cache is None:
-            return MISS
-        return self.cache.lookup(prompt, min(self.min_tokens, max(1, len(prompt) // 2)))
+        """The longest state worth reusing: one that covers at least ``min_tokens``. A shorter one (a chat
+        template's first tokens, a short system prompt) saves less than it costs: a prompt that starts from a cached
+        state runs alone, not in one pass with the prompts arriving with it."""
+        return self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS
 
     def keep(self, tokens: Sequence[int], layers: Sequence[Any]) -> None:
         """Snapshot ``layers``, which hold exactly ``tokens`` (batch size 1)."""
