@@ -193,6 +193,15 @@ def test_short_prompts_arriving_together_share_one_forward_pass(reference):
         assert tokens == solo_tokens(model, prompt, 16)
 
 
+async def send_apart(engine: BatchedEngine, requests: list[EngineRequest], gap_s: float) -> list[list[int]]:
+    """Submit ``requests`` ``gap_s`` apart; each one's tokens, in order."""
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(collect_tokens(engine, request)))
+        await asyncio.sleep(gap_s)
+    return await asyncio.gather(*tasks)
+
+
 @pytest.mark.parametrize(("gather_ms", "gap_s", "expected_passes"), [(100.0, 0.02, 1), (0.0, 0.1, 2)])
 def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(reference, gather_ms, gap_s,
                                                                               expected_passes):
@@ -206,15 +215,8 @@ def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(ref
     requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=8, prefill_chunk=64)
                 for i, p in enumerate(prompts)]
 
-    async def scenario():
-        tasks = []
-        for request in requests:  # the first wakes the engine; the others come gap_s apart
-            tasks.append(asyncio.create_task(collect_tokens(engine, request)))
-            await asyncio.sleep(gap_s)
-        return await asyncio.gather(*tasks)
-
     try:
-        got = asyncio.run(scenario())
+        got = asyncio.run(send_apart(engine, requests, gap_s))  # the first wakes the engine
     finally:
         engine.stop()
     prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
@@ -244,11 +246,7 @@ def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(refere
     async def scenario():
         await collect_tokens(engine, first)  # its prompt and output are now in the prefix cache
         counting.calls.clear()
-        tasks = []
-        for request in requests:
-            tasks.append(asyncio.create_task(collect_tokens(engine, request)))
-            await asyncio.sleep(0.02)
-        return await asyncio.gather(*tasks)
+        return await send_apart(engine, requests, 0.02)
 
     try:
         got = asyncio.run(scenario())
