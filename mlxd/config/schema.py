@@ -55,6 +55,9 @@ class ModelConfig(Base):
     context_length: Annotated[int, msgspec.Meta(ge=0)] = 0
     # "auto": float32 on Linux CPU (fast with OpenBLAS), the model's own dtype elsewhere.
     dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = "auto"
+    # CUDA: products of 2-16 rows (batched decode steps) through mlxd's own kernel instead of cuBLASLt, whose host
+    # cost bounds a batched step (mlxd/runtime/small_batch.py). bfloat16/float16 weights only; no effect elsewhere.
+    small_batch_kernel: bool = True
     sampling: SamplingDefaults = SamplingDefaults()
 
 

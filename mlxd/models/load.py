@@ -142,6 +142,8 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
         shard(model, group)
     if dtype is not None or group is not None:
         mx.eval(model.parameters())
+    if config.small_batch_kernel and mx.cuda.is_available():
+        _use_small_batch_kernel(model)
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
     context = choose_context_length(config.context_length, _context_length(model_config))
@@ -157,6 +159,16 @@ def _load_text(folder: Path, lazy: bool = False) -> tuple[Any, Any, dict]:
         return mlx_lm_load(str(folder), lazy=lazy, return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelLoadError(f"mlx-lm could not load {folder}: {e}") from e
+
+
+def _use_small_batch_kernel(model: Any) -> None:
+    from mlxd.runtime.small_batch_linear import use_small_batch_kernel
+
+    layers = use_small_batch_kernel(model)
+    twin = getattr(model, "text_twin", None)
+    if twin is not None:
+        layers += use_small_batch_kernel(twin)
+    log.info("small_batch_kernel", layers=layers)
 
 
 def shard(model: Any, group: Any) -> None:
