@@ -153,6 +153,30 @@ def test_image_and_text_rows_decode_together_and_equal_solo_runs(family, tiny_vl
     assert sum(1 for batch, length in model.calls if batch == 8 and length == 1) >= 5
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_images_of_requests_sent_together_share_one_tower_pass(family, tiny_vlm):
+    loaded = loaded_model(tiny_vlm(family), counting=True)
+    model, prompts = loaded.model, Prompts(loaded)
+    jobs = [prompts(f"Picture {i}: describe it.", 30 + i) for i in range(4)]
+    engine = BatchedEngine(model, EngineConfig(max_running=8, prefix_cache_bytes=0, warmup_tokens=1))
+    engine.start()
+    try:
+        solo = [asyncio.run(collect_tokens(engine, request(f"solo-{i}", p, m))) for i, (p, m) in enumerate(jobs)]
+        assert model.num_tower_passes == 4
+        engine.vision.features.clear()  # the engine is idle: the images are new to it again
+
+        async def together():
+            return await asyncio.gather(*[collect_tokens(engine, request(f"mix-{i}", p, m))
+                                          for i, (p, m) in enumerate(jobs)])
+
+        together_tokens = asyncio.run(together())
+    finally:
+        engine.stop()
+    assert together_tokens == solo
+    assert model.num_vision_calls == 8  # one run per image encoded, counted as before
+    assert model.num_tower_passes == 5  # the four images sent together went through the tower in one pass
+
+
 def test_a_text_load_of_a_vision_checkpoint_serves_its_language_model(tiny_vlm):
     path = tiny_vlm("qwen3_vl")
     vision = loaded_model(path)

@@ -228,6 +228,8 @@ class BatchedEngine(EngineFront):
     def _run_plan(self, plan: StepPlan, together: list[SequenceState]) -> None:
         """Run a planned step: its prompt chunks, the decode step, then post-processing."""
         clock = self.step_times
+        if self.vision is not None:
+            self._encode_images_ahead(plan)
         for state, num_tokens in plan.prefill:
             if state not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
@@ -241,6 +243,22 @@ class BatchedEngine(EngineFront):
         self._post_process(tokens)
         clock.lap("post_process")
         self.totals["num_steps"] += 1
+
+    def _encode_images_ahead(self, plan: StepPlan) -> None:
+        """When an image request's prompt starts, the images of every image request not started yet go through the
+        vision tower together (one call, not one each: :meth:`VisionPrefill.encode_ahead`). Should that call fail,
+        each request encodes its own images as it starts, so that only a request whose image fails fails."""
+        if not any(self._requests[s.request_id].request.media is not None and s.request_id not in self._prefilling
+                   for s, _ in plan.prefill):
+            return
+        waiting = [sub.request for sub in self._requests.values()
+                   if sub.request.media is not None and sub.request.request_id not in self._prefilling
+                   and sub.state.num_prefilled == 0]
+        try:
+            self.vision.encode_ahead(waiting)
+        except Exception as e:  # noqa: BLE001 - each request then encodes its own images (reported there)
+            log.warning("encode_ahead_failed", request_ids=[r.request_id for r in waiting],
+                        error_type=type(e).__name__, error=str(e))
 
     def _make_room(self) -> int | None:
         """The prefix cache gives way first: it keeps what the running requests (and the head of the queue, when

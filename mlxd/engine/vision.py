@@ -61,6 +61,10 @@ class FeatureCache:
             _, (_, freed) = self._entries.popitem(last=False)
             self.num_bytes -= freed
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is cached (not counted as a hit or a miss)."""
+        return key in self._entries
+
     def clear(self) -> None:
         self._entries.clear()
         self.num_bytes = 0
@@ -94,11 +98,33 @@ class VisionPrefill:
         mx.eval(vision.embeds, vision.extras)
         return vision
 
+    def encode_ahead(self, requests: list[EngineRequest], max_images: int = 16) -> int:
+        """Encode the images of ``requests`` (prompts about to start) that the feature cache lacks in one
+        vision-tower call, up to ``max_images``; their :meth:`prepare` then finds them cached. Returns how many were
+        encoded: none for families without a joint call, a feature cache turned off, or fewer than two images."""
+        if not self.model.encodes_together or not self.features.budget_bytes:
+            return 0
+        todo: dict[str, dict[str, Any]] = {}
+        for request in requests:
+            media = request.media
+            per_image = self.model.split_inputs(media.inputs, len(media.digests)) or []
+            for digest, image in zip(media.digests, per_image, strict=False):
+                if len(todo) < max_images and digest not in todo and not self.features.holds(digest):
+                    todo[digest] = image
+        if len(todo) < 2:
+            return 0
+        features = self.model.encode_many([{k: mx.array(v) for k, v in image.items()} for image in todo.values()])
+        mx.eval(features)
+        for digest, image_features in zip(todo, features, strict=True):
+            self.features.put(digest, image_features)
+        return len(todo)
+
     def status(self) -> dict[str, Any]:
-        """Vision-tower runs (one per image encoded), the feature cache's counters, and whether token-only passes
-        run through the language model's text twin (:mod:`mlxd.models.text_twin`)."""
-        return {"num_vision_calls": self.model.num_vision_calls, "feature_cache": self.features.stats(),
-                "text_twin": self.model.has_text_twin}
+        """Vision-tower runs (one per image encoded) and tower passes (images encoded together share one), the
+        feature cache's counters, and whether token-only passes run through the language model's text twin
+        (:mod:`mlxd.models.text_twin`)."""
+        return {"num_vision_calls": self.model.num_vision_calls, "num_tower_passes": self.model.num_tower_passes,
+                "feature_cache": self.features.stats(), "text_twin": self.model.has_text_twin}
 
     def _image(self, digest: str, image: dict[str, Any], num_tokens: int) -> Any:
         """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""

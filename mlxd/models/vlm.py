@@ -67,6 +67,7 @@ class VisionLanguageModel(nn.Module):
         self.image_token_id = _image_token_id(model.config)
         self.per_image = self.family in _QWEN + _QWEN3 + _GEMMA3 + _SCATTER
         self.num_vision_calls = 0  # vision-tower runs (images encoded), for tests and /v1/status
+        self.num_tower_passes = 0  # calls of the vision tower (several images can share one)
         # mlx-lm's text model on the language weights (outside the parameter tree: the arrays are counted once).
         self._text: Any = None
 
@@ -174,6 +175,7 @@ class VisionLanguageModel(nn.Module):
     def encode(self, image: dict[str, Any], num_tokens: int) -> Any:
         """Run the vision tower on one image's inputs (MLX arrays); returns what :meth:`embed` merges."""
         self.num_vision_calls += 1
+        self.num_tower_passes += 1
         vlm, pixels = self.vlm, image["pixel_values"]
         if self.family in _QWEN:
             dtype = vlm.vision_tower.patch_embed.proj.weight.dtype
@@ -190,12 +192,39 @@ class VisionLanguageModel(nn.Module):
         extra = {k: v for k, v in image.items() if k != "pixel_values"}
         return vlm.get_input_embeddings(ids, pixels, **extra).inputs_embeds[0]
 
+    @property
+    def encodes_together(self) -> bool:
+        """Whether :meth:`encode_many` runs several images through one vision-tower call (the Qwen families, whose
+        towers take a list of images as one sequence of patches, attention kept within each image)."""
+        return self.family in _QWEN + _QWEN3
+
+    def encode_many(self, images: list[dict[str, Any]]) -> list[Any]:
+        """:meth:`encode` for several images (MLX arrays each) in one vision-tower call; features per image.
+
+        A tower call costs the host a fixed number of operations per layer (and mlx-vlm's Qwen towers wait for the
+        device once a layer), so images arriving together are cheaper in one call than one by one."""
+        if not self.encodes_together or len(images) < 2:
+            return [self.encode(image, 0) for image in images]
+        joined = {"pixel_values": mx.concatenate([i["pixel_values"] for i in images], axis=0),
+                  "image_grid_thw": mx.concatenate([i["image_grid_thw"] for i in images], axis=0)}
+        features = self.encode(joined, 0)
+        self.num_vision_calls += len(images) - 1  # one run per image encoded, as when encoded one by one
+        merge = self.vlm.vision_tower.spatial_merge_size ** 2
+        sizes = [int(np.prod(np.array(i["image_grid_thw"]))) // merge for i in images]
+        bounds = np.cumsum(sizes)[:-1].tolist()
+        if self.family in _QWEN3:
+            main, deepstack = features
+            parts = [mx.split(main, bounds, axis=0)] + [mx.split(d, bounds, axis=0) for d in deepstack]
+            return [(part[0], tuple(part[1:])) for part in zip(*parts, strict=True)]
+        return mx.split(features, bounds, axis=0)
+
     def embed(self, prompt: mx.array, inputs: dict[str, Any], features: list[Any] | None) -> VisionPrompt:
         """Merge a prompt's (1, L) token embeddings with its images: ``features`` per image (from :meth:`encode`),
         or ``None`` to run the vision tower on all of ``inputs`` at once (families that cannot split)."""
         vlm = self.vlm
         if features is None:
             self.num_vision_calls += 1
+            self.num_tower_passes += 1
             out = vlm.get_input_embeddings(prompt, inputs["pixel_values"], mask=mx.ones_like(prompt),
                                            **_without(inputs, "pixel_values"))
         elif self.family in _QWEN3:
