@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--warps", type=int, default=8, help="warps a block (they split K)")
+    parser.add_argument("--warps", type=int, default=0, help="warps a block, they split K (0: by shape)")
     parser.add_argument("--tiles", type=int, default=0, help="column groups of 8 a warp (0: by N)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--skip-exactness", action="store_true")
@@ -108,7 +108,8 @@ def main() -> None:
 
     lines = [f"Device: {mx.default_device()}, mlx {mx.__version__}, {platform.platform()}. {args.layers} layers, "
              f"hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads ({args.kv_heads} for keys "
-             f"and values) of {args.head_dim}; warps {args.warps}, tiles {args.tiles or 'by N'}; medians of "
+             f"and values) of {args.head_dim}; warps {args.warps or 'by shape'}, tiles {args.tiles or 'by shape'}; "
+             f"medians of "
              f"{args.repeats}.", ""]
     ok = True
     if not args.skip_exactness:

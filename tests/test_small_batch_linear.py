@@ -97,9 +97,10 @@ def test_quantized_layers_are_left_alone():
     assert type(holder.layer) is nn.QuantizedLinear
 
 
-@pytest.mark.parametrize("columns", [8, 24, 1024, 4096, 12288, 151936])
-def test_a_launch_covers_every_column_once(columns):
-    launch = plan(mx.zeros((columns, 64), dtype=mx.bfloat16), False)
+@pytest.mark.parametrize(("columns", "k"), [(8, 64), (24, 64), (1024, 4096), (4096, 12288), (12288, 4096),
+                                             (151936, 4096)])
+def test_a_launch_covers_every_column_once(columns, k):
+    launch = plan(mx.zeros((columns, k), dtype=mx.bfloat16), False)
     template = dict(launch.template)
     per_block = 8 * template["TILES"]
     blocks = launch.grid[0] // launch.threadgroup[0]

@@ -17,9 +17,11 @@ The kernel here is an MLX custom CUDA kernel (``mx.fast.cuda_kernel``): an ordin
   they loaded, the same permutation for the inputs and the weights, and no shuffles are needed;
 - a warp issues the loads of its next chunk before the products of this one (double-buffered registers).
 
-Numbers (H200, Qwen3-8B shapes): the same results as MLX's matmul to the last bit without a bias, within float32
-rounding of the fused bias add with one; one step's 252 projections at 8 rows 5.6-6.7 ms in all against 5.3-8.4
-through cuBLASLt, with 2.8-4.7 ms of host time against 4.5-8.0.
+Numbers (Qwen3-8B shapes, ``docs/benchmarks/engine.md``): the same results as MLX's matmul to the last bit without
+a bias, within float32 rounding of its fused bias add with one. One step's 252 projections at 8 rows: on an H200
+5.6-6.7 ms in all against 5.3-8.4 through cuBLASLt, with 2.8-4.7 ms of host time against 4.5-8.0; on an H100 7.0-7.4
+ms against 7.6-7.9, host 2.9-3.3 against 6.6-7.0. The engine then gains more than the projections alone show, since
+the host time it frees is what the step's other operations need.
 
 It serves bfloat16 and float16 weights whose K is a multiple of 64 and N a multiple of 8 (every projection of the
 models mlxd serves); anything else, float32 and quantized layers included, stays on MLX's matmul.
@@ -155,10 +157,12 @@ def fits(weight: Any) -> bool:
     return weight.dtype in (mx.bfloat16, mx.float16) and k % CHUNK == 0 and n % 8 == 0
 
 
-def tiles_for(n: int) -> int:
-    """Column groups of 8 a warp owns: 4 where N is large (fewer input reads per weight read), else 2 (enough
-    blocks to fill the device)."""
-    return 4 if n >= 8192 else 2
+def shape_for(n: int, k: int) -> tuple[int, int]:
+    """Warps a block and column groups of 8 a warp, for an N x K weight. Large N or K: 4 groups (fewer input reads
+    per weight read); long K: 4 warps (each walks a longer share of K; 15% faster for Qwen3-8B's 4096 x 12288 down
+    projection on an H200); else 8 warps of 2 groups (enough blocks to fill the device)."""
+    tiles = 4 if n >= 8192 or k >= 8192 else 2
+    return (4 if k >= 8192 else 8), tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +176,12 @@ class Launch:
     columns: int
 
 
-def plan(weight: Any, has_bias: bool, *, warps: int = 8, tiles: int = 0) -> Launch:
+def plan(weight: Any, has_bias: bool, *, warps: int = 0, tiles: int = 0) -> Launch:
+    """The launch for ``weight``; ``warps`` and ``tiles`` override :func:`shape_for` (0: its choice)."""
     import mlx.core as mx
 
-    n = weight.shape[0]
-    tiles = tiles or tiles_for(n)
+    n, k = weight.shape
+    warps, tiles = warps or shape_for(n, k)[0], tiles or shape_for(n, k)[1]
     blocks = -(-n // (8 * tiles))
     template = [("T", weight.dtype), ("IS_BF16", weight.dtype == mx.bfloat16), ("TILES", tiles), ("WARPS", warps)]
     return Launch(has_bias, template, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), n)
@@ -190,6 +195,6 @@ def run(launch: Launch, x: Any, weight: Any, bias: Any = None) -> Any:
                                     output_dtypes=[x.dtype])[0]
 
 
-def small_batch_matmul(x: Any, weight: Any, bias: Any = None, *, warps: int = 8, tiles: int = 0) -> Any:
+def small_batch_matmul(x: Any, weight: Any, bias: Any = None, *, warps: int = 0, tiles: int = 0) -> Any:
     """``x @ weight.T (+ bias)`` in one call (benchmarks and checks; layers keep their :class:`Launch`)."""
     return run(plan(weight, bias is not None, warps=warps, tiles=tiles), x, weight, bias)
