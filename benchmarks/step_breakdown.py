@@ -135,6 +135,26 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> t
     return sum(len(t) - 1 for t in results) / (last - first), phases
 
 
+def kernel_modes(model) -> dict:
+    """Label suffix → a switch that sends the model's 2-16-row products to mlxd's kernel, or to MLX's matmul (what
+    ``nn.Linear`` itself calls), through the same swapped layers."""
+    import mlx.core as mx
+
+    from mlxd.runtime.small_batch import run
+    from mlxd.runtime.small_batch_linear import use_small_batch_kernel
+
+    on = [True]
+
+    def matmul(launch, x, weight, bias):
+        if on[0]:
+            return run(launch, x, weight, bias)
+        return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+    use_small_batch_kernel(model, matmul)
+    return {", small-batch kernel": lambda: on.__setitem__(0, True),
+            ", MLX matmul": lambda: on.__setitem__(0, False)}
+
+
 def report(args, path: str, rows: dict[tuple[str, int], str], best: dict[tuple[str, int], float]) -> None:
     """Print the best of each point as a markdown table (and write it to ``--out``; the points to ``--json``)."""
     lines = [f"Model: `{path}`; {args.max_tokens} greedy tokens a stream; best of {args.rounds} rounds.", "",
@@ -164,6 +184,8 @@ def main() -> None:
                         help="also run the engine with this sys.setswitchinterval (seconds)")
     parser.add_argument("--parts", default="matmul,floor,compiled,batch,generator,engine",
                         help="comma list of what to measure: matmul, floor, compiled, batch, generator, engine")
+    parser.add_argument("--kernel-ab", action="store_true",
+                        help="CUDA: run every part with mlxd's small-batch kernel and with MLX's matmul, in turn")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
     parser.add_argument("--json", help="also write every point's best result here (label, streams, score)")
     args = parser.parse_args()
@@ -181,6 +203,7 @@ def main() -> None:
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]
     compiled = CompiledDecode(model) if "compiled" in parts else None  # its traces are kept across rounds
+    modes = kernel_modes(model) if args.kernel_ab else {"": lambda: None}
     engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
     engine.start()
     embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
@@ -196,31 +219,32 @@ def main() -> None:
 
     try:
         for _ in range(args.rounds):
-            for n in levels:
+            for n, (mode, switch) in ((n, m) for n in levels for m in modes.items()):
+                switch()
                 if "matmul" in parts:
                     us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
                     gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
-                    keep(("matmul", n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
+                    keep(("matmul" + mode, n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
                 floors = [*([(False, None)] if n == 1 else []), (True, None)] if "floor" in parts else []
                 floors += [(True, compiled)] if compiled is not None and n > 1 else []
                 for batched, comp in floors:
                     g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched, comp)
                     label = "forward floor, " + ("compiled BatchKVCache" if comp else
-                                                 "BatchKVCache" if batched else "KVCache")
+                                                 "BatchKVCache" if batched else "KVCache") + mode
                     keep((label, n), t, f"build {g + d:.2f} ms (graph {g:.2f}, dispatch {d:.2f}), wait {w:.2f} ms, "
                                         f"step {t:.2f} ms, {n * 1000 / t:.0f} tok/s", higher=False)
                 if "batch" in parts:
                     ms = batch_alone(model, prompts[:n], args.max_tokens)
-                    keep(("mlxd DecodeBatch alone", n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s",
+                    keep(("mlxd DecodeBatch alone" + mode, n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s",
                          higher=False)
                 if "generator" in parts:
                     result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
-                    keep(("BatchGenerator", n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
+                    keep(("BatchGenerator" + mode, n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
                 if "engine" not in parts:
                     continue
                 rate, phases = engine_run(engine, prompts[:n], args.max_tokens, "b")
                 detail = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "steps")
-                keep(("mlxd engine", n), rate, f"{rate:.0f} tok/s; ms per step: {detail} "
+                keep(("mlxd engine" + mode, n), rate, f"{rate:.0f} tok/s; ms per step: {detail} "
                                                f"({phases['steps']} steps)")
                 if args.switch_interval:
                     default = sys.getswitchinterval()
