@@ -129,6 +129,8 @@ class Daemon:
         )
         self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
                                               processor=loaded.processor, base_dir=self.base_dir))
+        if loaded.kind == "vision":
+            self._warm_up_images()
         self.load_s = time.monotonic() - started
         if self.state == "loading":  # not failed or draining meanwhile
             self.state = "ready"
@@ -145,6 +147,18 @@ class Daemon:
         )
         if (warning := reference_blas_warning(loaded.dtype, summary["device"], blas)) is not None:
             log.warning("reference_blas", message=warning)
+
+    def _warm_up_images(self) -> None:
+        """One image request through the pipeline (:mod:`mlxd.pipeline.image_warmup`); a model or a config that
+        cannot take it is logged, not fatal: text is still served."""
+        from mlxd.pipeline.image_warmup import warm_up_images
+
+        try:
+            seconds = warm_up_images(self.pipeline, self.name)
+        except MlxdError as e:
+            log.warning("image_warm_up_failed", error=e.message)
+            return
+        log.info("image_warm_up", seconds=round(seconds, 2))
 
     def close(self) -> None:
         """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""

@@ -26,15 +26,17 @@ def vision_status(client) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_serves_text_and_images_and_streams(family, tiny_vlm, tmp_path):
     with app_client(write_config(tmp_path, tiny_vlm(family))) as (client, _):
+        warmed = vision_status(client)["num_vision_calls"]
+        assert warmed == 1  # the start-up's warm-up image (mlxd.pipeline.image_warmup)
         text = chat(client, [{"role": "user", "content": "Hello there"}])
         assert text["usage"]["completion_tokens"] == 8
-        assert vision_status(client)["num_vision_calls"] == 0  # text requests never touch the vision tower
+        assert vision_status(client)["num_vision_calls"] == warmed  # text requests never touch the vision tower
 
         plain = chat(client, [{"role": "user", "content": "Describe it."}])
         seen = chat(client, [user_with_images("Describe it.", 1)])
         # Image tokens count as prompt tokens; the image changes what the model says.
         assert seen["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
-        assert vision_status(client)["num_vision_calls"] == 1
+        assert vision_status(client)["num_vision_calls"] == warmed + 1
 
         response = client.post("/v1/chat/completions",
                                json=chat_body([user_with_images("Describe it.", 1)], stream=True))
@@ -46,9 +48,10 @@ def test_each_family_serves_text_and_images_and_streams(family, tiny_vlm, tmp_pa
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_images_are_cached_by_their_bytes(family, tiny_vlm, tmp_path):
     with app_client(write_config(tmp_path, tiny_vlm(family))) as (client, daemon):
+        warmed = vision_status(client)["num_vision_calls"]
         first = chat(client, [SYSTEM, user_with_images("What is this?", 1)])
         calls = vision_status(client)["num_vision_calls"]
-        assert calls == 1
+        assert calls == warmed + 1
 
         # The same image re-sent: a prefix-cache hit, the same answer, no vision-tower run.
         again = chat(client, [SYSTEM, user_with_images("What is this?", 1)])
@@ -166,3 +169,11 @@ def test_anthropic_and_responses_images_answer_as_the_chat_route_does(tiny_vlm, 
                        for part in item["content"])
         assert text == seen["choices"][0]["message"]["content"].strip()
         assert body["usage"]["input_tokens"] == seen["usage"]["prompt_tokens"]
+
+
+def test_a_config_that_refuses_images_still_starts_and_serves_text(tiny_vlm, tmp_path, capsys):
+    # The start-up's warm-up image is refused like a user's would be: logged, and text is still served.
+    with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"), extra="[vision]\nmax_images = 0\n")) as (client, _):
+        assert vision_status(client)["num_vision_calls"] == 0
+        assert chat(client, [{"role": "user", "content": "Hello there"}])["usage"]["completion_tokens"] == 8
+    assert "image_warm_up_failed" in capsys.readouterr().out
