@@ -4,8 +4,11 @@ The engine's own warm-up runs the language model's shapes; nothing runs the visi
 On an H100 (random Qwen2.5-VL-7B shape) the first vision-tower call of a process took 541 ms against 47-59 ms for
 the next ones, and the first prompt pass with image features 72-98 ms against 17-28 ms (MLX builds its CUDA
 kernels on first use): the first image request after a start or a restart paid about 0.6 s more. A synthetic
-image request, sent the way a user's is (normalize, template, processor, route, engine, detokenize), moves that cost
-before ``/health`` turns 200. It counts like any request: one image encoded in ``/v1/status``'s vision counters.
+image request, sent the way a user's is (normalize, template, processor, route, engine, detokenize), moves most of
+that cost before ``/health`` turns 200: the first 448 px image request then took 0.27-0.32 s against 0.68-0.73 s
+(the next ones 0.12-0.16 s; kernels MLX builds per exact shape are left to the first request of each size;
+``benchmarks/first_image.py``, ``docs/benchmarks/vision.md``). It counts like any request: one image encoded in
+``/v1/status``'s vision counters.
 """
 
 from __future__ import annotations
