@@ -77,15 +77,29 @@ def attention(args, rows: int, mask_kind: str) -> Callable[[], list[mx.array]]:
                     for _ in range(args.layers)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,8,16")
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shape a decode step is timed in (Qwen3-8B's by default)."""
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=12288)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+
+
+def emit(text: str, out: str | None) -> None:
+    """Append the report to ``out``, or print it."""
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+    else:
+        print(text)  # noqa: T201 - the report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,8,16")
+    add_shape_arguments(parser)
     parser.add_argument("--context", type=int, default=300, help="cache positions the attention reads")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", help="append a markdown section here (else print it)")
@@ -104,12 +118,7 @@ def main() -> None:
             lines.append(f"| {name} | {rows} | {host:.2f} | {total:.2f} |")
             print(lines[-1], flush=True)  # noqa: T201 - progress
         mx.clear_cache()
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    else:
-        print(text)  # noqa: T201 - the report
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

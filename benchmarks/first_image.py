@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load as loadgen  # noqa: E402
+from dispatch_costs import emit  # noqa: E402
 from vision import OFFLINE, chat, image_turn, mlxd_server  # noqa: E402
 
 
@@ -58,12 +59,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for label, env in servers if round_ % 2 == 0 else servers[::-1]:
                 lines.append(one_start(label, args, Path(tmp), env, round_))
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    else:
-        print(text)  # noqa: T201 - the report
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dispatch_costs import timed  # noqa: E402
+from dispatch_costs import add_shape_arguments, emit, timed  # noqa: E402
 
 from mlxd.runtime.small_batch import MAX_ROWS, small_batch_matmul  # noqa: E402
 
@@ -92,12 +92,7 @@ def timing(args) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,8,16")
-    parser.add_argument("--layers", type=int, default=36)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=12288)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_arguments(parser)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--warps", type=int, default=0, help="warps a block, they split K (0: by shape)")
     parser.add_argument("--tiles", type=int, default=0, help="column groups of 8 a warp (0: by N)")
@@ -117,12 +112,7 @@ def main() -> None:
         lines += table + [""]
         print("\n".join(table), flush=True)  # noqa: T201 - progress
     lines += timing(args)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
-    else:
-        print(text)  # noqa: T201 - the report
+    emit("\n".join(lines) + "\n", args.out)
     sys.exit(0 if ok else 1)
 
 
