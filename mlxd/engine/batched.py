@@ -248,12 +248,14 @@ class BatchedEngine(EngineFront):
         """When an image request's prompt starts, the images of every image request not started yet go through the
         vision tower together (one call, not one each: :meth:`VisionPrefill.encode_ahead`). Should that call fail,
         each request encodes its own images as it starts, so that only a request whose image fails fails."""
-        if not any(self._requests[s.request_id].request.media is not None and s.request_id not in self._prefilling
-                   for s, _ in plan.prefill):
+        def unstarted_image_request(request_id: str) -> bool:
+            submitted = self._requests[request_id]
+            return (submitted.request.media is not None and request_id not in self._prefilling
+                    and submitted.state.num_prefilled == 0)
+
+        if not any(unstarted_image_request(s.request_id) for s, _ in plan.prefill):
             return
-        waiting = [sub.request for sub in self._requests.values()
-                   if sub.request.media is not None and sub.request.request_id not in self._prefilling
-                   and sub.state.num_prefilled == 0]
+        waiting = [self._requests[r].request for r in self._requests if unstarted_image_request(r)]
         try:
             self.vision.encode_ahead(waiting)
         except Exception as e:  # noqa: BLE001 - each request then encodes its own images (reported there)

@@ -162,13 +162,10 @@ def _load_text(folder: Path, lazy: bool = False) -> tuple[Any, Any, dict]:
 
 
 def _use_small_batch_kernel(model: Any) -> None:
+    """Swap the model's linear layers (a vision model's text twin included: it is a child module, ``_text``)."""
     from mlxd.runtime.small_batch_linear import use_small_batch_kernel
 
-    layers = use_small_batch_kernel(model)
-    twin = getattr(model, "text_twin", None)
-    if twin is not None:
-        layers += use_small_batch_kernel(twin)
-    log.info("small_batch_kernel", layers=layers)
+    log.info("small_batch_kernel", layers=use_small_batch_kernel(model))
 
 
 def shard(model: Any, group: Any) -> None:

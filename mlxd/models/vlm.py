@@ -172,9 +172,10 @@ class VisionLanguageModel(nn.Module):
             return None
         return [{"pixel_values": pixels[i : i + 1]} for i in range(num_images)]
 
-    def encode(self, image: dict[str, Any], num_tokens: int) -> Any:
-        """Run the vision tower on one image's inputs (MLX arrays); returns what :meth:`embed` merges."""
-        self.num_vision_calls += 1
+    def encode(self, image: dict[str, Any], num_tokens: int, num_images: int = 1) -> Any:
+        """Run the vision tower on one image's inputs (MLX arrays; ``num_images`` joined ones from
+        :meth:`encode_many`); returns what :meth:`embed` merges."""
+        self.num_vision_calls += num_images
         self.num_tower_passes += 1
         vlm, pixels = self.vlm, image["pixel_values"]
         if self.family in _QWEN:
@@ -200,15 +201,13 @@ class VisionLanguageModel(nn.Module):
 
     def encode_many(self, images: list[dict[str, Any]]) -> list[Any]:
         """:meth:`encode` for several images (MLX arrays each) in one vision-tower call; features per image.
+        Families that :attr:`encodes_together` only.
 
         A tower call costs the host a fixed number of operations per layer (and mlx-vlm's Qwen towers wait for the
         device once a layer), so images arriving together are cheaper in one call than one by one."""
-        if not self.encodes_together or len(images) < 2:
-            return [self.encode(image, 0) for image in images]
         joined = {"pixel_values": mx.concatenate([i["pixel_values"] for i in images], axis=0),
                   "image_grid_thw": mx.concatenate([i["image_grid_thw"] for i in images], axis=0)}
-        features = self.encode(joined, 0)
-        self.num_vision_calls += len(images) - 1  # one run per image encoded, as when encoded one by one
+        features = self.encode(joined, 0, num_images=len(images))
         merge = self.vlm.vision_tower.spatial_merge_size ** 2
         sizes = [int(np.prod(np.array(i["image_grid_thw"]))) // merge for i in images]
         bounds = np.cumsum(sizes)[:-1].tolist()
