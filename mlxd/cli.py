@@ -139,7 +139,7 @@ def serve(argv: list[str]) -> NoReturn:
     get_logger("mlxd").info("starting", config=str(args.config), host=server.host, port=server.port,
                             pipeline=[name for name, _ in pipeline.stages],
                             **({"rank": 0, "size": group.size()} if group is not None else {}))
-    daemon = Daemon(config, pipeline, base_dir=base_dir, group=group)
+    daemon = Daemon(config, pipeline, base_dir=base_dir, group=group, freeze_heap=True)
     end_process(run_server(create_app(daemon), daemon, config_path=args.config))
 
 

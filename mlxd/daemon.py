@@ -19,6 +19,7 @@ from mlxd.errors import MlxdError, ModelNotFound, NotReady
 from mlxd.log import get_logger
 from mlxd.pipeline.pipeline import Pipeline
 from mlxd.pipeline.stage import ModelInfo, PipelineContext
+from mlxd.runtime.heap import PAUSES, freeze_loaded_objects
 
 log = get_logger("mlxd.daemon")
 
@@ -41,10 +42,13 @@ class Daemon:
     """
 
     def __init__(self, config: DaemonConfig, pipeline: Pipeline, base_dir: Path | None = None, *,
-                 make_engine: Callable[[Any, Any, Any], Any] | None = None, group: Any = None) -> None:
+                 make_engine: Callable[[Any, Any, Any], Any] | None = None, group: Any = None,
+                 freeze_heap: bool = False) -> None:
         """``make_engine(engine_config, model, drafter)`` builds the engine (``mlxd.engine.factory.make_engine`` by
         default; tests pass engines around test doubles). ``group``: the distributed group this process is rank 0
-        of (``[distributed]``), None for one process."""
+        of (``[distributed]``), None for one process. ``freeze_heap``: once loaded, freeze the Python objects
+        start-up built (:mod:`mlxd.runtime.heap`); for the process that serves, not for one of many daemons in
+        a test run."""
         self.config = config
         self.group = group
         self._make_engine = make_engine
@@ -60,6 +64,7 @@ class Daemon:
         self.on_fatal: Callable[[str], None] | None = None
         self.load_s: float | None = None
         self._drain_deadline: float | None = None
+        self.freeze_heap = freeze_heap
 
     @property
     def ready(self) -> bool:
@@ -132,6 +137,8 @@ class Daemon:
         if loaded.kind == "vision":
             self._warm_up_images()
         self.load_s = time.monotonic() - started
+        PAUSES.install()
+        frozen = freeze_loaded_objects() if self.freeze_heap else None
         if self.state == "loading":  # not failed or draining meanwhile
             self.state = "ready"
         blas, summary = mapped_blas(), platform_summary()
@@ -143,6 +150,7 @@ class Daemon:
             context_length=loaded.context_length,
             blas=blas,
             load_s=round(time.monotonic() - started, 2),
+            frozen_objects=frozen,
             **summary,
         )
         if (warning := reference_blas_warning(loaded.dtype, summary["device"], blas)) is not None:

@@ -69,3 +69,17 @@ def test_openblas_is_mapped_into_the_serving_process(server):
     assert "libopenblas" in maps
     ready = next(line for line in log_lines(log_path) if line.get("event") == "model_ready")
     assert any("libopenblas" in lib for lib in ready["blas"]) and ready["dtype"] == "float32"
+
+
+def test_the_serving_process_freezes_what_start_up_loaded_and_reports_collector_pauses(server):
+    import httpx
+
+    base, _, log_path = server
+    openai.OpenAI(base_url=base + "/v1", api_key="unused").completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    ready = next(line for line in log_lines(log_path) if line.get("event") == "model_ready")
+    gc_status = httpx.get(base + "/v1/status").json()["gc"]
+    # Modules, the tokenizer, the model's modules, the web framework: tens of thousands of objects at least (frozen
+    # objects still go when their last reference does, so the count may fall a little).
+    assert ready["frozen_objects"] > 20_000 and gc_status["num_frozen_objects"] > 20_000
+    assert sum(gc_status["num_collections"]) > 0 and gc_status["pause_ms_max"] <= gc_status["pause_ms_total"]

@@ -14,6 +14,7 @@ from mlxd.api.auth import ADMIN, METRICS, OPEN, is_admin
 from mlxd.api.errors import redact
 from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
+from mlxd.runtime.heap import PAUSES
 
 STATUS_PAGE = resources.files("mlxd.api").joinpath("static", "status.html").read_bytes()
 
@@ -38,7 +39,7 @@ class OpsController(Controller):
         daemon.require_loaded()
         status = daemon.engine.status()
         body = {"model": daemon.name, "num_running": len(status["running"]), "num_waiting": len(status["waiting"]),
-                **status}
+                **status, "gc": PAUSES.status()}
         if not is_admin(request):
             del body["running"], body["waiting"]
         return body
