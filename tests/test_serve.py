@@ -59,6 +59,11 @@ def test_one_canonical_json_log_line_per_request(server):
     assert line["model"] == "tiny" and line["completion_tokens"] == reply.usage.completion_tokens
     assert line["prompt_tokens"] == reply.usage.prompt_tokens and line["finish_reason"] == "length"
     assert line["ttft_s"] > 0 and line["total_s"] >= line["ttft_s"] and line["level"] == "info"
+    # Where the time to first token went: preparing, waiting for admission, processing the prompt (each measured
+    # on its own clock, so their sum is within a few milliseconds of the TTFT, never far above it).
+    parts = [line["prepare_s"], line["queued_s"], line["prefill_s"]]
+    assert all(p is not None and p >= 0 for p in parts) and line["prefill_s"] > 0
+    assert sum(parts) <= line["ttft_s"] + 0.005
 
 
 def test_openblas_is_mapped_into_the_serving_process(server):

@@ -63,6 +63,8 @@ class Trace:
     result: str = "ok"
     on_end: Callable[[Trace], None] | None = None
     num_choices: int = 1
+    # Seconds the pipeline's preparation took (rendering, tokenizing, images), on a worker thread.
+    prepare_s: float | None = None
 
     def text_sent(self) -> None:
         """A text delta is going out now."""
@@ -96,6 +98,9 @@ class Trace:
             cached_tokens=done.num_cached_tokens if done else None,
             cache_hit=done.cache_hit if done else None,
             ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
+            prepare_s=self.prepare_s,
+            queued_s=done.queued_s if done else None,
+            prefill_s=done.prefill_s if done else None,
             total_s=round(now - self.started, 4),
             finish_reason=done.finish_reason if done else None,
             decode=_decode_fields(done.decode if done else None, self.job),
@@ -128,6 +133,7 @@ async def start(pipeline: Pipeline, job: Job, endpoint: str, on_end: Callable[[T
     trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
     try:
         await asyncio.to_thread(pipeline.prepare, job)
+        trace.prepare_s = round(time.monotonic() - trace.started, 4)
         jobs = siblings(job, n)
         events = pipeline.stream(job)
         first = await anext(events, None)

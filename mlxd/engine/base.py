@@ -111,6 +111,10 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     cache_hit: str = "miss"
     # How it decoded: {"mode": "plain", "reason": ...}, or a speculative request's drafter and counters.
     decode: dict[str, Any] | None = None
+    # Seconds from reaching the engine to its first prompt chunk (waiting for admission), and from there to its
+    # first token (prompt processing, vision tower included, interleaved with other rows' steps).
+    queued_s: float | None = None
+    prefill_s: float | None = None
 
 
 class Failed(msgspec.Struct, frozen=True):

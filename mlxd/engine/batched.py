@@ -437,9 +437,11 @@ class BatchedEngine(EngineFront):
         if submitted is not None:
             state = submitted.state
             decode = self._decode_summary(submitted)
+            started, first = submitted.started_at, state.first_token_at
             self._post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt),
                                            num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit,
-                                           decode=decode))
+                                           decode=decode, queued_s=_seconds(state.submitted_at, started),
+                                           prefill_s=_seconds(started, first)))
             if reason != "cancelled" and submitted.started_at is not None:
                 duration, mean = time.monotonic() - submitted.started_at, self._mean_duration_s
                 self._mean_duration_s = duration if mean is None else 0.8 * mean + 0.2 * duration
@@ -549,3 +551,7 @@ class BatchedEngine(EngineFront):
 def _left(deadline: float | None, gap_s: float) -> float | None:
     """How long to wait for the next command while gathering a burst (None when not gathering)."""
     return None if deadline is None else max(0.0, min(gap_s, deadline - time.monotonic()))
+
+
+def _seconds(start: float | None, end: float | None) -> float | None:
+    return round(end - start, 4) if start is not None and end is not None else None

@@ -75,6 +75,9 @@ class Done(msgspec.Struct, frozen=True, kw_only=True):
     stop_sequence: str | None = None
     # How the engine decoded it (plain with the reason, or the speculative counters): for the request log line.
     decode: dict[str, Any] | None = None
+    # Where the time to first token went in the engine (:class:`mlxd.engine.base.Finished`).
+    queued_s: float | None = None
+    prefill_s: float | None = None
 
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta | TokenLogprobs | KeepAlive | Done

@@ -113,4 +113,6 @@ def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = No
         cache_hit=finished.cache_hit if finished else "miss",
         stop_sequence=stop_sequence,
         decode=finished.decode if finished else None,
+        queued_s=finished.queued_s if finished else None,
+        prefill_s=finished.prefill_s if finished else None,
     )
