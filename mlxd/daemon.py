@@ -157,16 +157,18 @@ class Daemon:
             log.warning("reference_blas", message=warning)
 
     def _warm_up_images(self) -> None:
-        """One image request through the pipeline (:mod:`mlxd.pipeline.image_warmup`); a model or a config that
-        cannot take it is logged, not fatal: text is still served."""
-        from mlxd.pipeline.image_warmup import warm_up_images
+        """One image request per ``[vision] warm_up_image_sizes`` through the pipeline
+        (:mod:`mlxd.pipeline.image_warmup`); a model or a config that cannot take them is logged, not fatal: text
+        is still served."""
+        from mlxd.pipeline.image_warmup import warm_up_image
 
-        try:
-            seconds = warm_up_images(self.pipeline, self.name)
-        except MlxdError as e:
-            log.warning("image_warm_up_failed", error=e.message)
-            return
-        log.info("image_warm_up", seconds=round(seconds, 2))
+        for size in self.config.vision.warm_up_image_sizes:
+            try:
+                seconds = warm_up_image(self.pipeline, self.name, size)
+            except MlxdError as e:
+                log.warning("image_warm_up_failed", size=size, error=e.message)
+                return
+            log.info("image_warm_up", size=size, seconds=round(seconds, 2))
 
     def close(self) -> None:
         """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""

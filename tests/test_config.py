@@ -45,6 +45,12 @@ def test_wrong_type_names_field(tmp_path):
     assert "server.port" in message and "Expected `int`" in message
 
 
+@pytest.mark.parametrize("sizes", ["[8]", "[5000]", "[224, 224, 224, 224, 224, 224, 224, 224, 224]", '"224"'])
+def test_warm_up_image_sizes_out_of_range_name_the_field(tmp_path, sizes):
+    message = error_of(write(tmp_path, f'[model]\nsource = "x"\n[vision]\nwarm_up_image_sizes = {sizes}\n'))
+    assert "vision.warm_up_image_sizes" in message
+
+
 def test_missing_model_table(tmp_path):
     assert "`model`" in error_of(write(tmp_path, "[server]\nport = 1\n"))
 

@@ -171,6 +171,15 @@ def test_anthropic_and_responses_images_answer_as_the_chat_route_does(tiny_vlm, 
         assert body["usage"]["input_tokens"] == seen["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize(("sizes", "expected"), [("[]", 0), ("[32, 96]", 2)])
+def test_warm_up_sends_one_image_of_each_configured_size(tiny_vlm, tmp_path, capsys, sizes, expected):
+    extra = f"[vision]\nwarm_up_image_sizes = {sizes}\n"
+    with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"), extra=extra)) as (client, _):
+        assert vision_status(client)["num_vision_calls"] == expected
+    logged = [line for line in capsys.readouterr().out.splitlines() if "image_warm_up " in line]
+    assert len(logged) == expected and all(f"size={n}" in "".join(logged) for n in sizes.strip("[]").split(", ") if n)
+
+
 def test_a_config_that_refuses_images_still_starts_and_serves_text(tiny_vlm, tmp_path, capsys):
     # The start-up's warm-up image is refused like a user's would be: logged, and text is still served.
     with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"), extra="[vision]\nmax_images = 0\n")) as (client, _):

@@ -141,6 +141,11 @@ class VisionConfig(Base):
     # Pixels per image: a larger image is downscaled to at most this many, aspect ratio kept (never refused for
     # being merely large). The default is above the own limits of common VLM processors (Qwen2-VL: 12.8M).
     max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
+    # Square images (pixels a side) sent through the whole pipeline once each before /health turns 200, so that
+    # the first user images of these sizes do not pay for the shapes MLX builds on first use (mlxd.pipeline.
+    # image_warmup). Each costs a second or more of start-up; [] sends none.
+    warm_up_image_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=16, le=4096)]],
+                                   msgspec.Meta(max_length=8)] = msgspec.field(default_factory=lambda: [224])
 
 
 class LoggingConfig(Base):
