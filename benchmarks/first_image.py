@@ -1,12 +1,14 @@
 """The first image requests after a vision model's server reports ready: is there a cold stall?
 
-For each server (this tree's mlxd, and optionally another mlxd source tree as a baseline), round after round: start
+For each server (this tree's mlxd, optionally another mlxd source tree as a baseline, and this tree with other
+``[vision] warm_up_image_sizes``), round after round: start
 a fresh process, wait for ``/health`` 200 (the seconds it took are the start-up cost), then send two image requests
 one after the other, each with an image the server has not seen, and record their times to first token. With no
 stall the first equals the second.
 
     python benchmarks/first_image.py --model ../models/qwen2_5_vl_7b --baseline-mlxd ../base --rounds 2 \\
         --out docs/benchmarks/x.md
+    python benchmarks/first_image.py --model ../models/qwen2_5_vl_7b --warm-up-sizes "224,448" --rounds 2
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from dispatch_costs import emit  # noqa: E402
 from vision import OFFLINE, chat, image_turn, mlxd_server  # noqa: E402
 
 
-def one_start(label: str, args, tmp: Path, env: dict | None, round_: int) -> str:
-    spec = mlxd_server(f"{label}-{round_}", args.model, tmp)
+def one_start(label: str, args, tmp: Path, env: dict | None, round_: int, sizes: str | None = None) -> str:
+    spec = mlxd_server(f"{label.replace(' ', '-')}-{round_}", args.model, tmp)
+    if sizes is not None:
+        config = Path(spec.command[spec.command.index("--config") + 1])
+        config.write_text(config.read_text() + f"[vision]\nwarm_up_image_sizes = [{sizes}]\n")
     port = loadgen.port_of(spec.command)
     started = time.perf_counter()
     with loadgen.serve(spec.command, port, tmp / f"{label}-{round_}.log", spec.health, {**OFFLINE, **(env or {})}):
@@ -44,21 +49,25 @@ def main() -> None:
     parser.add_argument("--baseline-mlxd", help="another mlxd source tree, started the same way")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--warm-up-sizes", help="also serve this tree with [vision] warm_up_image_sizes = [THIS] "
+                                                "(comma list of pixels a side)")
     parser.add_argument("--out", help="append a markdown section here (else print it)")
     args = parser.parse_args()
 
-    servers = [("mlxd", None)]
+    servers = [("mlxd", None, None)]
     if args.baseline_mlxd:
         base = str(Path(args.baseline_mlxd).resolve())
         servers.append(("mlxd baseline", {"PYTHONPATH": os.pathsep.join([base, os.environ.get("PYTHONPATH", "")]),
-                                          "PYTHONSAFEPATH": "1"}))
+                                          "PYTHONSAFEPATH": "1"}, None))
+    if args.warm_up_sizes:
+        servers.append((f"mlxd, warm-up sizes {args.warm_up_sizes}", None, args.warm_up_sizes))
     lines = [f"Model: `{args.model}`; images {args.image_size} px, 8 tokens a request, greedy.", "",
              "| server | start | seconds to ready | first image TTFT (s) | second image TTFT (s) | first / second |",
              "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for label, env in servers if round_ % 2 == 0 else servers[::-1]:
-                lines.append(one_start(label, args, Path(tmp), env, round_))
+            for label, env, sizes in servers if round_ % 2 == 0 else servers[::-1]:
+                lines.append(one_start(label, args, Path(tmp), env, round_, sizes))
     emit("\n".join(lines) + "\n", args.out)
 
 
