@@ -255,8 +255,39 @@ def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(refere
     prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
     if grouped:
         assert prefill_calls == [(3, 33)]
-    else:  # each reused the 3 cached tokens and ran the rest of its prompt alone
-        assert prefill_calls == [(1, 30)] * 3, prefill_calls
+    else:  # each reused the 3 cached tokens; the rests of the prompts ran in one pass
+        assert prefill_calls == [(3, 30)], prefill_calls
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, 6)
+
+
+def test_prompts_starting_from_cached_states_of_different_lengths_continue_in_one_pass(reference):
+    """Agent loops: requests that each find a different part of an earlier prompt cached, with rests of different
+    lengths, run those rests in one forward pass (right-padded, then rolled to the left) and decode as they would
+    alone."""
+    model, _ = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64,
+                                                  gather_ms=100.0))
+    engine.start()
+    earlier = [(13 * j) % 200 + 10 for j in range(50)]
+    first = EngineRequest(request_id="first", prompt=earlier, max_tokens=4, prefill_chunk=64)
+    prompts = [earlier[:cached] + [(90 + 7 * i + j) % 200 + 10 for j in range(rest)]
+               for i, (cached, rest) in enumerate([(35, 5), (40, 12), (45, 20)])]
+    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=6, prefill_chunk=64)
+                for i, p in enumerate(prompts)]
+
+    async def scenario():
+        await collect_tokens(engine, first)  # its prompt and output are now in the prefix cache
+        counting.calls.clear()
+        return await send_apart(engine, requests, 0.02)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    assert prefill_calls == [(3, 20)], prefill_calls  # without it: (1, 5), (1, 12), (1, 20)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == solo_tokens(model, prompt, 6)
 

@@ -298,6 +298,30 @@ def test_a_failing_group_of_prompts_is_retried_one_by_one(reference, prompts):
     assert num_failed == 1
 
 
+def test_a_failing_pass_over_the_rests_of_cached_prompts_is_retried_one_by_one(reference, prompts):
+    model, _ = reference
+    earlier = [(13 * j) % 200 + 10 for j in range(50)]
+    rests = [[(90 + 7 * i + j) % 200 + 10 for j in range(n)] for i, n in enumerate([5, 12, 20])]
+    rests[1][3] = POISON
+    prompts_in = [earlier[:cached] + rest for cached, rest in zip([35, 40, 45], rests, strict=True)]
+    good = [solo(model, prompts_in[i], 6) for i in (0, 2)]
+    with faulty_engine(model, max_running=4, step_token_budget=256, gather_ms=100.0) as (engine, faulty):
+        faulty.poison = POISON
+
+        async def scenario():
+            await outcome(engine, request("earlier", earlier, 4, chunk=64))  # now in the prefix cache
+            faulty.prompt_passes.clear()
+            return await asyncio.gather(*[outcome(engine, request(f"r{i}", p, 6, chunk=64))
+                                          for i, p in enumerate(prompts_in)])
+
+        a, bad, c = run(scenario)
+    # One pass over the three rests (it raised), then each rest alone, from its cached state.
+    assert faulty.prompt_passes[0] == (3, 20), faulty.prompt_passes
+    assert sorted(faulty.prompt_passes[1:]) == [(1, 5), (1, 12), (1, 20)]
+    assert_failed(bad, "failed while processing the prompt")
+    assert [a.tokens, c.tokens] == good
+
+
 def test_a_failing_sampler_in_the_decode_step_fails_only_its_row(reference, prompts):
     model, _ = reference
     good = [solo(model, p, 24) for p in prompts]

@@ -108,8 +108,9 @@ class EngineConfig(Base):
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
     # A cached state covering fewer prompt tokens than this is not reused: it saves less than it costs, since a
-    # prompt that starts from a cached state runs alone instead of in one pass with the prompts arriving with it
-    # (a chat template's first tokens, or a short system prompt, are shared by many requests).
+    # prompt that starts from a cached state runs in a pass of its own kind (with the rests of other such prompts),
+    # not in one pass with the whole prompts arriving with it (a chat template's first tokens, or a short system
+    # prompt, are shared by many requests).
     prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
     # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
     # re-sent in a later turn costs no vision-tower run; 0 turns it off.

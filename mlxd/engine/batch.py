@@ -108,6 +108,42 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
     return cache, first
 
 
+def can_continue_together(rows: list[Row]) -> bool:
+    """Whether these rows, each holding a cached prefix of its prompt (attention layers only), can run the rest of
+    their prompts in one pass (:func:`process_continuations`)."""
+    return len(rows) > 1 and all(row.vision is None and not row.processors and not row.wants_hidden
+                                 and all(type(c) is KVCache and not c.empty() for c in row.cache) for row in rows)
+
+
+def process_continuations(model: Any, rows: list[Row], suffixes: list[list[int]],
+                          share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
+    """Run the rest of several prompts in one forward pass, each row's cache already holding the prompt's start
+    (a prefix-cache hit; lengths may differ).
+
+    The caches are merged left-padded; the suffixes go in right-padded, and mlx-lm's ``BatchKVCache`` then rolls
+    each row's right padding to its left (``prepare(right_padding=...)``, ``finalize``), so that the batch joins
+    the decode step left-padded like any other. Causal attention keeps a row's real positions from seeing its
+    right padding. Returns the batched cache and each row's first generated token, sampled lazily from the logits
+    at its last real position.
+    """
+    lengths = [len(s) for s in suffixes]
+    right = [max(lengths) - n for n in lengths]
+    inputs = mx.array([s + [0] * pad for s, pad in zip(suffixes, right, strict=True)], dtype=mx.uint32)
+    cache = [layer.merge([row.cache[i] for row in rows]) for i, layer in enumerate(rows[0].cache)]
+    for layer in cache:
+        layer.prepare(right_padding=right)
+    logits, _ = forward(model, inputs, cache)
+    raw = logits[mx.arange(len(rows)), mx.array([n - 1 for n in lengths])]
+    for layer in cache:
+        layer.finalize()
+    first = share(sample(rows, raw - mx.logsumexp(raw, axis=-1, keepdims=True)))
+    capture_logprobs(rows, raw, first)
+    mx.async_eval(first)
+    for row in rows:
+        row.cache = []
+    return cache, first
+
+
 def sample(rows: list[Row], logprobs: mx.array) -> mx.array:
     """One token per row: one sampler call when the rows sample alike, else one per row."""
     first = rows[0]

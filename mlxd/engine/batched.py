@@ -35,7 +35,14 @@ from mlxd.engine.base import (
     SamplingParams,
     Speculative,
 )
-from mlxd.engine.batch import DecodeBatch, can_batch_prompts, process_prompt, process_prompts
+from mlxd.engine.batch import (
+    DecodeBatch,
+    can_batch_prompts,
+    can_continue_together,
+    process_continuations,
+    process_prompt,
+    process_prompts,
+)
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import Submitted
 from mlxd.engine.memory import measure_memory
@@ -293,20 +300,37 @@ class BatchedEngine(Outcomes):
             self.batch.add(row, first)
 
     def _prefill_together(self, group: list[Submitted]) -> None:
-        """Process whole short prompts in one forward pass; they join the decode batch together. Should the pass
-        fail, each prompt is processed alone, so that only the request that caused it fails."""
+        """Process whole short prompts in one forward pass, and the rests of prompts that start from a cached state
+        in another; each group joins the decode batch together. A request whose prompt state is kept for its
+        siblings (``keep_prompt``) continues alone. Should a pass fail, each prompt is processed alone, so that only
+        the request that caused it fails."""
         now = time.monotonic()
         for submitted in group:
             submitted.started_at = now
+        fresh = [s for s in group if not s.state.num_prefilled]
+        alone = [s for s in group if s.state.num_prefilled and s.request.keep_prompt]
+        rests = [s for s in group if s.state.num_prefilled and not s.request.keep_prompt]
+        for submitted in alone:
+            self._prefill(submitted, submitted.state.num_prompt_remaining)
+        self._run_group(fresh, can_batch_prompts, lambda rows, subs: process_prompts(
+            self.model, rows, [s.request.prompt for s in subs], share=self.batch.share))
+        self._run_group(rests, can_continue_together, lambda rows, subs: process_continuations(
+            self.model, rows, [s.request.prompt[s.state.num_prefilled:] for s in subs], share=self.batch.share))
+
+    def _run_group(self, group: list[Submitted], can_group: Callable[[list[Row]], bool],
+                   run: Callable[[list[Row], list[Submitted]], tuple[list[Any], mx.array]]) -> None:
+        """One forward pass for ``group``'s prompts (``run(rows, group)``), or one each when ``can_group`` says no
+        or the pass fails. A request whose row cannot be built has failed; the others go on."""
+        if not group:
+            return
         built = [(s, self._prefilling.get(s.request.request_id) or self._build_row(s)) for s in group]
         group, rows = [s for s, row in built if row is not None], [row for _, row in built if row is not None]
-        if not can_batch_prompts(rows):
+        if not can_group(rows):
             for submitted in group:
-                self._prefill(submitted, submitted.state.num_prompt_tokens)
+                self._prefill(submitted, submitted.state.num_prompt_remaining)
             return
         try:
-            cache, first = process_prompts(self.model, rows, [s.request.prompt for s in group],
-                                           share=self.batch.share)
+            cache, first = run(rows, group)
         except Exception as e:  # noqa: BLE001 - retried one by one; a request that fails again is reported
             if not self._retry_groups:
                 raise
@@ -314,12 +338,13 @@ class BatchedEngine(Outcomes):
                         error_type=type(e).__name__, error=str(e))
             reset_random_state()
             for submitted in group:
-                self._prefilling.pop(submitted.request.request_id)  # a fresh row: the pass may have touched it
-                self._prefill(submitted, submitted.state.num_prompt_tokens)
+                if not submitted.state.num_prefilled:  # a fresh row: the pass may have touched it
+                    self._prefilling.pop(submitted.request.request_id)
+                self._prefill(submitted, submitted.state.num_prompt_remaining)
             return
         for submitted in group:
             state = submitted.state
-            self.scheduler.on_prefilled(state, state.num_prompt_tokens)
+            self.scheduler.on_prefilled(state, state.num_prompt_remaining)
             self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
             del self._prefilling[submitted.request.request_id]
         self.batch.add_batch(rows, cache, first)

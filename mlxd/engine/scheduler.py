@@ -247,13 +247,20 @@ class Scheduler:
 
 
 def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
-    """Of a step's prompt chunks, the whole prompts (one chunk each) worth one left-padded forward pass: the
-    shortest ones, as many as keep the padded batch within twice their real tokens (none if fewer than two)."""
-    whole = sorted((s for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens),
-                   key=lambda s: s.num_prompt_tokens)
+    """Of a step's prompt chunks, those worth one forward pass together: whole prompts (one chunk each), and
+    separately the rests of prompts that start from a cached state (prefix-cache hits, one chunk each). Of each
+    kind the shortest ones, as many as keep the padded batch within twice their real tokens (none if fewer than
+    two); the whole prompts first."""
+    fresh = [(s, n) for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens]
+    rests = [(s, n) for s, n in chunks if s.num_prefilled > 0 and n == s.num_prompt_remaining]
+    return _worth_one_pass(fresh) + _worth_one_pass(rests)
+
+
+def _worth_one_pass(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
+    ordered = sorted(chunks, key=lambda chunk: chunk[1])
     total, count = 0, 0
-    for i, state in enumerate(whole):
-        total += state.num_prompt_tokens
-        if (i + 1) * state.num_prompt_tokens <= 2 * total:
+    for i, (_, num_tokens) in enumerate(ordered):
+        total += num_tokens
+        if (i + 1) * num_tokens <= 2 * total:
             count = i + 1
-    return whole[:count] if count > 1 else []
+    return [state for state, _ in ordered[:count]] if count > 1 else []
