@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
@@ -61,6 +61,10 @@ def test_warm_up_meets_every_batch_size_and_leaves_nothing_behind(model):
     assert decode_sizes == set(range(1, MAX_RUNNING + 1))
     assert prompt_groups == set(range(2, MAX_RUNNING + 1))
     assert (1, CHUNK) in recording.shapes
+    # Rests of prompts continuing from cached states, together (attention-only models: their caches can merge).
+    continued = {batch for batch, length in recording.shapes if batch > 1 and length == 2}
+    attention_only = all(type(c) is KVCache for c in make_prompt_cache(model))
+    assert continued == (set(range(2, MAX_RUNNING + 1)) if attention_only else set())
 
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     batch = DecodeBatch(model)

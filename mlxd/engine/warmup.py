@@ -17,7 +17,14 @@ from mlx_lm.models.cache import KVCache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import DecodeBatch, can_batch_prompts, process_prompt, process_prompts
+from mlxd.engine.batch import (
+    DecodeBatch,
+    can_batch_prompts,
+    can_continue_together,
+    process_continuations,
+    process_prompt,
+    process_prompts,
+)
 from mlxd.engine.padded import BUCKET, pad_verify
 from mlxd.engine.row import Row, make_request_cache
 from mlxd.engine.target import verify
@@ -47,7 +54,9 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
       the batch (``row_cache``), as the prefix cache does when a request ends;
     - whole prompts processed together (:func:`process_prompts`), groups of every size 2..n at each length of
       :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining a batch of one row
-      (``extend``) or, at n, an empty one, then leaving it.
+      (``extend``) or, at n, an empty one, then leaving it;
+    - the rests of prompts that start from cached states, processed together (:func:`process_continuations`),
+      groups of every size 2..n (cached lengths and rests differing), each with one decode step.
 
     The trade-off: rows leaving and groups joining run the cache copies only, not a decode step (the decode
     shapes are those of the first phase), and groups use short prompts. A group's padded length and a last
@@ -69,6 +78,7 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     if every_shape:
         _leave_one_by_one(batch)
         _join_in_groups(model, config, batch)
+        _continue_in_groups(model, config)
     mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
     batch.clear()
     mx.clear_cache()
@@ -114,6 +124,24 @@ def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> Non
             _evaluate(host)
             host.remove({row.request_id for row in rows})
             _evaluate(host)
+
+
+def _continue_in_groups(model: Any, config: EngineConfig) -> None:
+    """Groups of 2..max_running rows, each holding a cached prefix of its own length, run the rests of their
+    prompts in one pass (:func:`process_continuations`: merged caches, right padding rolled left), join an empty
+    batch for one decode step, then leave. On an H100 the first such pass after start-up took 10.9 s building its
+    kernels when nothing had run it before."""
+    for size in range(2, config.max_running + 1):
+        rows = [_row(model, config, f"continue-{size}-{i}") for i in range(size)]
+        for i, row in enumerate(rows):
+            process_prompt(model, row, _tokens(4 + i % 3), last=False)
+        if not can_continue_together(rows):
+            return
+        host = DecodeBatch(model)
+        host.add_batch(rows, *process_continuations(model, rows, [_tokens(1 + i % 2) for i in range(size)]))
+        host.step()
+        mx.eval(host.inputs)
+        host.clear()
 
 
 def _row(model: Any, config: EngineConfig, tag: Any) -> Row:
