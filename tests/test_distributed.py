@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,8 +55,24 @@ step_timeout_s = {timeout}
 """
 
 
+def ring_ports(count: int = 2) -> int:
+    """The first of ``count`` consecutive free ports (the ring's ranks bind one each), taken below the kernel's
+    ephemeral range: a port there can be taken by any outgoing connection between this check and the ranks
+    binding it (EADDRINUSE, seen in CI when ``free_port()``'s pick was reused)."""
+    for _ in range(200):
+        first = random.randrange(20000, 30000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError("no free consecutive ports between 20000 and 30000")
+
+
 def distributed_config(tmp: Path, model_dir: Path, port: int, timeout: float = 30, extra: str = "") -> Path:
-    extra = DISTRIBUTED.format(ring_port=free_port(), timeout=timeout) + extra
+    extra = DISTRIBUTED.format(ring_port=ring_ports(), timeout=timeout) + extra
     return write_config(tmp, model_dir, port=port, extra=extra, model_extra="", server_extra="")
 
 
