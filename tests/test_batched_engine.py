@@ -228,23 +228,19 @@ def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(ref
         assert tokens == solo_tokens(model, prompt, 8)
 
 
-@pytest.mark.parametrize(("min_tokens", "grouped"), [(32, True), (1, False)])
-def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(reference, min_tokens, grouped):
-    """A cached state covering a few tokens (a chat template's header, shared by every request) is not worth
-    reusing when it would take a prompt out of the pass it shares with the prompts arriving with it."""
-    model, _ = reference
+def prefill_passes_after_a_cached_prompt(model, config: EngineConfig, earlier: list[int],
+                                         prompts: list[list[int]]) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Serve ``earlier`` (its prompt and output then sit in the prefix cache), then ``prompts`` together: the
+    prompt passes (batch, length) the latter took, and each one's 6 greedy tokens."""
     counting = CountingModel(model)
-    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64,
-                                                  gather_ms=100.0, prefix_cache_min_tokens=min_tokens))
+    engine = BatchedEngine(counting, config)
     engine.start()
-    header = [5, 6, 7]
-    first = EngineRequest(request_id="first", prompt=header + list(range(10, 40)), max_tokens=4, prefill_chunk=64)
-    prompts = [header + [(50 + 7 * i + j) % 200 + 10 for j in range(30)] for i in range(3)]
+    first = EngineRequest(request_id="first", prompt=earlier, max_tokens=4, prefill_chunk=64)
     requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=6, prefill_chunk=64)
                 for i, p in enumerate(prompts)]
 
     async def scenario():
-        await collect_tokens(engine, first)  # its prompt and output are now in the prefix cache
+        await collect_tokens(engine, first)
         counting.calls.clear()
         return await send_apart(engine, requests, 0.02)
 
@@ -252,7 +248,19 @@ def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(refere
         got = asyncio.run(scenario())
     finally:
         engine.stop()
-    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    return [(c.batch, c.length) for c in counting.calls if c.length > 1], got
+
+
+@pytest.mark.parametrize(("min_tokens", "grouped"), [(32, True), (1, False)])
+def test_prompts_sharing_only_a_few_cached_tokens_still_start_in_one_pass(reference, min_tokens, grouped):
+    """A cached state covering a few tokens (a chat template's header, shared by every request) is not worth
+    reusing when it would take a prompt out of the pass it shares with the prompts arriving with it."""
+    model, _ = reference
+    header = [5, 6, 7]
+    prompts = [header + [(50 + 7 * i + j) % 200 + 10 for j in range(30)] for i in range(3)]
+    config = EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64, gather_ms=100.0,
+                          prefix_cache_min_tokens=min_tokens)
+    prefill_calls, got = prefill_passes_after_a_cached_prompt(model, config, header + list(range(10, 40)), prompts)
     if grouped:
         assert prefill_calls == [(3, 33)]
     else:  # each reused the 3 cached tokens; the rests of the prompts ran in one pass
@@ -266,27 +274,11 @@ def test_prompts_starting_from_cached_states_of_different_lengths_continue_in_on
     lengths, run those rests in one forward pass (right-padded, then rolled to the left) and decode as they would
     alone."""
     model, _ = reference
-    counting = CountingModel(model)
-    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64,
-                                                  gather_ms=100.0))
-    engine.start()
     earlier = [(13 * j) % 200 + 10 for j in range(50)]
-    first = EngineRequest(request_id="first", prompt=earlier, max_tokens=4, prefill_chunk=64)
     prompts = [earlier[:cached] + [(90 + 7 * i + j) % 200 + 10 for j in range(rest)]
                for i, (cached, rest) in enumerate([(35, 5), (40, 12), (45, 20)])]
-    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=6, prefill_chunk=64)
-                for i, p in enumerate(prompts)]
-
-    async def scenario():
-        await collect_tokens(engine, first)  # its prompt and output are now in the prefix cache
-        counting.calls.clear()
-        return await send_apart(engine, requests, 0.02)
-
-    try:
-        got = asyncio.run(scenario())
-    finally:
-        engine.stop()
-    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    config = EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64, gather_ms=100.0)
+    prefill_calls, got = prefill_passes_after_a_cached_prompt(model, config, earlier, prompts)
     assert prefill_calls == [(3, 20)], prefill_calls  # without it: (1, 5), (1, 12), (1, 20)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == solo_tokens(model, prompt, 6)

@@ -100,12 +100,19 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
     if any(row.processors for row in rows):
         logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
                                  for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
+    return cache, first_tokens(rows, raw, logits, share)
+
+
+def first_tokens(rows: list[Row], raw: mx.array, logits: mx.array, share: Callable[[mx.array], mx.array]) -> mx.array:
+    """Each row's first generated token, sampled lazily from ``logits`` (the rows' processors applied to ``raw``,
+    one row of logits each), with its log-probabilities captured from ``raw``. The rows' own caches are dropped:
+    the batched cache now holds them."""
     first = share(sample(rows, logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
     capture_logprobs(rows, raw, first)
     mx.async_eval(first)
     for row in rows:
         row.cache = []
-    return cache, first
+    return first
 
 
 def can_continue_together(rows: list[Row]) -> bool:
@@ -136,12 +143,7 @@ def process_continuations(model: Any, rows: list[Row], suffixes: list[list[int]]
     raw = logits[mx.arange(len(rows)), mx.array([n - 1 for n in lengths])]
     for layer in cache:
         layer.finalize()
-    first = share(sample(rows, raw - mx.logsumexp(raw, axis=-1, keepdims=True)))
-    capture_logprobs(rows, raw, first)
-    mx.async_eval(first)
-    for row in rows:
-        row.cache = []
-    return cache, first
+    return cache, first_tokens(rows, raw, raw, share)
 
 
 def sample(rows: list[Row], logprobs: mx.array) -> mx.array:
