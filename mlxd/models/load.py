@@ -138,6 +138,8 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
         twin = language_twin(folder, model.language_model, dequantize=dtype is not None)
         if twin is not None:
             model.attach_text_twin(twin)
+    if kind == "vision":
+        _use_segment_attention(model)
     if group is not None:
         shard(model, group)
     if dtype is not None or group is not None:
@@ -166,6 +168,15 @@ def _use_small_batch_kernel(model: Any) -> None:
     from mlxd.runtime.small_batch_linear import use_small_batch_kernel
 
     log.info("small_batch_kernel", layers=use_small_batch_kernel(model))
+
+
+def _use_segment_attention(model: Any) -> None:
+    """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`)."""
+    from mlxd.models.tower_attention import use_segment_attention
+
+    swapped = use_segment_attention(model.vlm, model.family)
+    if swapped:
+        log.info("segment_attention", layers=swapped)
 
 
 def shard(model: Any, group: Any) -> None:
