@@ -403,6 +403,32 @@ def test_a_broken_decode_step_fails_every_decoding_row_and_the_engine_goes_on(re
     assert totals["num_failed"] == 2
 
 
+def test_a_snapshot_the_device_cannot_take_skips_the_prefix_cache_and_the_engine_goes_on(reference, prompts):
+    """Keeping a finished request's state for later turns needs device memory; when that fails (out of memory),
+    the state is not kept, the request still finishes, and the engine serves the next ones."""
+    model, _ = reference
+    good = [solo(model, p, 12) for p in prompts[:2]]
+    with faulty_engine(model) as (engine, _):
+        keep, failures = engine.reuse.keep, []
+
+        def keep_out_of_memory(tokens, layers):
+            if not failures:
+                failures.append(len(tokens))
+                raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+            keep(tokens, layers)
+
+        engine.reuse.keep = keep_out_of_memory
+
+        async def scenario():
+            first = await outcome(engine, request("a", prompts[0], 12))
+            return first, await outcome(engine, request("b", prompts[1], 12))
+
+        first, second = run(scenario)
+        assert engine.failure is None
+    assert failures and first.tokens == good[0] and isinstance(first.end, Finished)
+    assert second.tokens == good[1] and isinstance(second.end, Finished)
+
+
 def test_an_engine_thread_that_ends_fails_everything_and_refuses_new_requests(reference, prompts):
     model, _ = reference
     with faulty_engine(model, max_running=1) as (engine, faulty):
