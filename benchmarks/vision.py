@@ -23,6 +23,7 @@ import base64
 import contextlib
 import datetime
 import io
+import itertools
 import json
 import os
 import platform
@@ -55,11 +56,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MLX_CUDA_USE_CUD
            "PYTHONFAULTHANDLER": "1"}
 # workload: (image streams, text streams, servers that run it)
 WORKLOADS = {
-    "4 image + 4 text": (4, 4, ("mlxd", "mlx_vlm")),
+    "4 image + 4 text": (4, 4, ("mlxd", "mlxd_alt", "mlx_vlm")),
     "8 text": (0, 8, ("mlxd", "mlxd_text", "mlx_vlm")),
     "1 text": (0, 1, ("mlxd", "mlxd_text", "mlx_vlm")),
 }
-LABELS = {"mlxd": "mlxd", "mlx_vlm": "mlx_vlm.server", "mlxd_text": "mlxd, kind = \"text\""}
+LABELS = {"mlxd": "mlxd", "mlx_vlm": "mlx_vlm.server", "mlxd_text": "mlxd, kind = \"text\"", "mlxd_alt": "mlxd, alt"}
 
 
 # ---- requests ----
@@ -339,12 +340,13 @@ def ratio_lines(rounds: dict[tuple[str, str], list[list[Stream]]]) -> str:
         return summarize(_only(best_round(runs), kind))[key] if runs else None
 
     lines = []
-    for kind in (None, "image", "text"):
-        ours, theirs = rate("4 image + 4 text", "mlxd", kind), rate("4 image + 4 text", "mlx_vlm", kind)
+    pairs = [("mlxd", "mlx_vlm"), ("mlxd_alt", "mlx_vlm"), ("mlxd_alt", "mlxd")]
+    for (mine, other), kind in itertools.product(pairs, (None, "image", "text")):
+        ours, theirs = rate("4 image + 4 text", mine, kind), rate("4 image + 4 text", other, kind)
         if ours and theirs:
-            ours_e2e, theirs_e2e = (rate("4 image + 4 text", n, kind, "e2e_tok_s") for n in ("mlxd", "mlx_vlm"))
-            lines.append(f"- 4 image + 4 text, {kind or 'all'} streams: mlxd / mlx_vlm.server {ours / theirs:.2f}x "
-                         f"aggregate, {ours_e2e / theirs_e2e:.2f}x end-to-end")
+            ours_e2e, theirs_e2e = (rate("4 image + 4 text", n, kind, "e2e_tok_s") for n in (mine, other))
+            lines.append(f"- 4 image + 4 text, {kind or 'all'} streams: {LABELS[mine]} / {LABELS[other]} "
+                         f"{ours / theirs:.2f}x aggregate, {ours_e2e / theirs_e2e:.2f}x end-to-end")
     for workload in ("8 text", "1 text"):
         vision, text = rate(workload, "mlxd"), rate(workload, "mlxd_text")
         if vision and text:
@@ -367,11 +369,14 @@ class Server:
     model: str  # what requests put in "model"
 
 
-def mlxd_server(name: str, model_path: str, tmp: Path, kind: str = "auto", log_level: str = "warning") -> Server:
+def mlxd_server(name: str, model_path: str, tmp: Path, kind: str = "auto", log_level: str = "warning",
+                engine: str = "") -> Server:
+    """``engine``: more settings of the ``[engine]`` table (TOML lines)."""
     port = loadgen.free_port()
     command = loadgen.mlxd_command(model_path, port, tmp / name, max_running=8)
     config = Path(command[command.index("--config") + 1])
     text = config.read_text().replace("[model]\n", f'[model]\nkind = "{kind}"\n')
+    text = text.replace("[engine]\n", f"[engine]\n{engine}\n" if engine else "[engine]\n")
     config.write_text(text.replace('level = "warning"', f'level = "{log_level}"'))
     return Server(name, command, "/health", "bench")
 
@@ -391,10 +396,13 @@ def server_specs(args, tmp: Path) -> list[Server]:
         if name in ("mlxd", "mlxd_text"):
             specs.append(mlxd_server(name, args.model, tmp, "text" if name == "mlxd_text" else "auto",
                                      args.server_log_level))
+        elif name == "mlxd_alt":
+            specs.append(mlxd_server(name, args.model, tmp, "auto", args.server_log_level, args.alt_engine))
+            LABELS[name] = f"mlxd, {args.alt_engine}"
         elif name == "mlx_vlm":
             specs.append(mlx_vlm_server(args.model))
         else:
-            raise SystemExit(f"unknown server {name!r}; known: mlxd, mlx_vlm, mlxd_text")
+            raise SystemExit(f"unknown server {name!r}; known: mlxd, mlx_vlm, mlxd_text, mlxd_alt")
     return specs
 
 
@@ -503,7 +511,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="a vision-language model folder (config.json with a vision_config)")
     parser.add_argument("--tiny", help="build mlxd's tiny random-weight VLM of this family instead (qwen2_5_vl, "
                                        "qwen3_vl, gemma3, idefics3)")
-    parser.add_argument("--servers", default="mlxd,mlx_vlm,mlxd_text", help="comma list: mlxd, mlx_vlm, mlxd_text")
+    parser.add_argument("--servers", default="mlxd,mlx_vlm,mlxd_text",
+                        help="comma list: mlxd, mlx_vlm, mlxd_text, mlxd_alt (mlxd with --alt-engine)")
+    parser.add_argument("--alt-engine", default="", help="[engine] settings of mlxd_alt, e.g. 'step_token_budget = 2048'")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
     parser.add_argument("--samples", type=int, default=5, help="distinct images per TTFT case")

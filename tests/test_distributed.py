@@ -239,7 +239,7 @@ def test_the_watchdog_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir)
 def test_messages_round_trip():
     spec = RequestSpec("r1", [1, 2, 3], 8, SamplingParams(temperature=0.5, logit_bias={4: -1.0}), 512, (2,), True)
     message = Message([Submit(spec), Keep("r0"), Drop("r0"), Clear(), Shrink(1024), Stop()],
-                      Step([("r1", 3)], ["r1"]), (1, 2, 3, 4, 5))
+                      Step([("r1", 3), ("r2", 5)], [["r1", "r2"]]), (1, 2, 3, 4, 5))
     assert _decoder.decode(_encoder.encode(message)) == message
     request = spec.request()
     assert request.prompt == [1, 2, 3] and request.sampling.logit_bias == {4: -1.0} and request.keep_prompt

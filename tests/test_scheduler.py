@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxd.engine.scheduler import Scheduler, SequenceState
+from mlxd.engine.scheduler import Scheduler, SequenceState, prompts_to_batch
 
 
 def seq(name: str, num_prompt: int, chunk: int = 8, max_tokens: int = 16, kv: int = 0) -> SequenceState:
@@ -246,3 +246,19 @@ def test_nothing_passes_a_head_whose_kv_would_then_not_fit():
     # big beside a and head would reserve 4 x 200 > 400: it stops the search (in order), small is not reached.
     assert [s.request_id for s, _ in plan.prefill] == ["a"]
     assert [s.request_id for s in scheduler.waiting] == ["head", "big", "small"]
+
+
+def test_prompts_share_a_pass_only_with_prompts_of_their_kind():
+    """Whole text prompts, whole image prompts and rests after a cached start go in separate passes (a mixed group
+    could run in none); rests of image prompts go alone; a kind with one prompt has no pass to share."""
+    def state(name: str, size: int, *, done: int = 0, images: bool = False) -> tuple[SequenceState, int]:
+        sequence = SequenceState(request_id=name, num_prompt_tokens=size, prefill_chunk=512, max_tokens=8,
+                                 num_prefilled=done, with_images=images)
+        return sequence, size - done
+
+    chunks = [state("t1", 40), state("i1", 300, images=True), state("t2", 50), state("r1", 90, done=60),
+              state("i2", 320, images=True), state("r2", 80, done=40), state("ri", 400, done=300, images=True),
+              state("lone-image-rest", 300, done=100, images=True)]
+    groups = prompts_to_batch(chunks)
+    assert [[s.request_id for s in group] for group in groups] == [["t1", "t2"], ["i1", "i2"], ["r1", "r2"]]
+    assert prompts_to_batch([state("t1", 40), state("i1", 300, images=True), state("r1", 90, done=60)]) == []

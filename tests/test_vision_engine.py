@@ -32,12 +32,15 @@ class CountingVLM(VisionLanguageModel):
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         self.calls: list[tuple[int, int]] = []
+        self.image_passes: list[int] = []  # the batch size of each pass that ran image embeddings
         self.gate = threading.Event()
         self.gate.set()
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         self.gate.wait()
         self.calls.append(tuple(inputs.shape))
+        if kwargs.get("embeds") is not None:
+            self.image_passes.append(inputs.shape[0])
         return super().__call__(inputs, cache, **kwargs)
 
 
@@ -127,7 +130,7 @@ def test_chunked_prompt_with_an_image_in_the_middle_equals_unchunked(family, tin
 def test_image_and_text_rows_decode_together_and_equal_solo_runs(family, tiny_vlm):
     loaded = loaded_model(tiny_vlm(family), counting=True)
     model, prompts = loaded.model, Prompts(loaded)
-    jobs = [prompts(f"Picture {i}: describe it.", 10 + i) for i in range(4)]
+    jobs = [prompts(f"Picture {i}: describe it{' in detail' * i}.", 10 + i) for i in range(4)]  # lengths differ
     jobs += [prompts(f"Text question number {i}, answer it.") for i in range(4)]
     config = EngineConfig(max_running=8, prefix_cache_bytes=0, warmup_tokens=1)
     engine = BatchedEngine(model, config)
@@ -141,6 +144,7 @@ def test_image_and_text_rows_decode_together_and_equal_solo_runs(family, tiny_vl
                      for i, (p, m) in enumerate(jobs)]
             await asyncio.sleep(0.1)
             model.calls.clear()
+            model.image_passes.clear()
             model.gate.set()
             return await asyncio.gather(*tasks)
 
@@ -151,6 +155,9 @@ def test_image_and_text_rows_decode_together_and_equal_solo_runs(family, tiny_vl
     assert all(len(tokens) == 10 for tokens in solo)
     # Image rows and text rows advanced in the same forward passes: decode steps of all eight rows.
     assert sum(1 for batch, length in model.calls if batch == 8 and length == 1) >= 5
+    # The Qwen-VL image prompts shared one pass (right-padded, each with its own positions); Gemma 3's sliding
+    # window layers keep its prompts one a pass.
+    assert model.image_passes == ([1, 1, 1, 1] if family == "gemma3" else [4])
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

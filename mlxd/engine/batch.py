@@ -125,22 +125,81 @@ def can_continue_together(rows: list[Row]) -> bool:
 def process_continuations(model: Any, rows: list[Row], suffixes: list[list[int]],
                           share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
     """Run the rest of several prompts in one forward pass, each row's cache already holding the prompt's start
-    (a prefix-cache hit; lengths may differ).
+    (a prefix-cache hit; lengths may differ): :func:`right_padded_pass`."""
+    return right_padded_pass(model, rows, suffixes, share)
 
-    The caches are merged left-padded; the suffixes go in right-padded, and mlx-lm's ``BatchKVCache`` then rolls
-    each row's right padding to its left (``prepare(right_padding=...)``, ``finalize``), so that the batch joins
-    the decode step left-padded like any other. Causal attention keeps a row's real positions from seeing its
-    right padding. Returns the batched cache and each row's first generated token, sampled lazily from the logits
-    at its last real position.
+
+# The per-prompt inputs a vision row's prompt may carry and still share a pass (Qwen-VL positions, deepstack).
+_PADDABLE_EXTRAS = frozenset({"position_ids", "visual_pos_masks", "deepstack_visual_embeds"})
+
+
+def can_batch_vision_prompts(rows: list[Row]) -> bool:
+    """Whether these vision rows (fresh attention caches, whole prompts) can share one pass
+    (:func:`process_vision_prompts`)."""
+    if len(rows) < 2 or any(row.vision is None for row in rows):
+        return False
+    keys = rows[0].vision.extras.keys()
+    return keys <= _PADDABLE_EXTRAS and all(
+        row.vision.extras.keys() == keys and not row.processors and not row.wants_hidden
+        and all(type(c) is KVCache and c.empty() for c in row.cache) for row in rows)
+
+
+def process_vision_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
+                           share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
+    """Run several whole image prompts in one forward pass: their merged embeddings and position inputs
+    right-padded to the longest (:func:`right_padded_pass`). Each row keeps its own multimodal positions."""
+    right = _right_padding(prompts)
+    embeds = mx.concatenate([mx.pad(row.vision.embeds, [(0, 0), (0, pad), (0, 0)])
+                             for row, pad in zip(rows, right, strict=True)])
+    extras = _padded_extras([row.vision.extras for row in rows], right)
+    return right_padded_pass(model, rows, prompts, share, embeds=embeds, **extras)
+
+
+def _padded_extras(extras: list[dict[str, Any]], right: list[int]) -> dict[str, Any]:
+    """One batch's position inputs from each row's (1-row) ones, right-padded (padding positions are never
+    attended to); the deepstack features, compact per row, joined row after row."""
+    def padded(name: str, axis: int) -> mx.array:
+        parts = []
+        for e, pad in zip(extras, right, strict=True):
+            widths = [(0, 0)] * e[name].ndim
+            widths[-1] = (0, pad)
+            parts.append(mx.pad(e[name], widths))
+        return mx.concatenate(parts, axis=axis)
+
+    out: dict[str, Any] = {}
+    if "position_ids" in extras[0]:
+        out["position_ids"] = padded("position_ids", 1)  # (3, B, L)
+    if "visual_pos_masks" in extras[0]:
+        out["visual_pos_masks"] = padded("visual_pos_masks", 0)  # (B, L)
+    if "deepstack_visual_embeds" in extras[0]:
+        layers = zip(*(e["deepstack_visual_embeds"] for e in extras), strict=True)
+        out["deepstack_visual_embeds"] = [mx.concatenate(layer) for layer in layers]
+    return out
+
+
+def _right_padding(prompts: list[list[int]]) -> list[int]:
+    longest = max(len(p) for p in prompts)
+    return [longest - len(p) for p in prompts]
+
+
+def right_padded_pass(model: Any, rows: list[Row], prompts: list[list[int]],
+                      share: Callable[[mx.array], mx.array] = same, **inputs: Any) -> tuple[list[Any], mx.array]:
+    """Run ``prompts`` (each the next tokens of its row: a whole prompt into an empty cache, or the rest after a
+    cached start) in one forward pass, with the model ``inputs`` given (already right-padded).
+
+    The rows' caches are merged left-padded (cached lengths may differ); the prompts go in right-padded, and mlx-lm's
+    ``BatchKVCache`` then rolls each row's right padding to its left (``prepare(right_padding=...)``,
+    ``finalize``), so that the batch joins the decode step left-padded like any other. Causal attention keeps a
+    row's real positions from seeing its right padding. Returns the batched cache and each row's first generated
+    token, sampled lazily from the logits at its last real position.
     """
-    lengths = [len(s) for s in suffixes]
-    right = [max(lengths) - n for n in lengths]
-    inputs = mx.array([s + [0] * pad for s, pad in zip(suffixes, right, strict=True)], dtype=mx.uint32)
+    right = _right_padding(prompts)
+    tokens = mx.array([p + [0] * pad for p, pad in zip(prompts, right, strict=True)], dtype=mx.uint32)
     cache = [layer.merge([row.cache[i] for row in rows]) for i, layer in enumerate(rows[0].cache)]
     for layer in cache:
         layer.prepare(right_padding=right)
-    logits, _ = forward(model, inputs, cache)
-    raw = logits[mx.arange(len(rows)), mx.array([n - 1 for n in lengths])]
+    logits, _ = forward(model, tokens, cache, **inputs)
+    raw = logits[mx.arange(len(rows)), mx.array([len(p) - 1 for p in prompts])]
     for layer in cache:
         layer.finalize()
     return cache, first_tokens(rows, raw, raw, share)

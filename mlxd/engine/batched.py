@@ -38,10 +38,12 @@ from mlxd.engine.base import (
 from mlxd.engine.batch import (
     DecodeBatch,
     can_batch_prompts,
+    can_batch_vision_prompts,
     can_continue_together,
     process_continuations,
     process_prompt,
     process_prompts,
+    process_vision_prompts,
 )
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import Submitted
@@ -212,22 +214,24 @@ class BatchedEngine(Outcomes):
         clock.lap("schedule")
         self._run_plan(plan, together)
 
-    def _plan_step(self) -> tuple[StepPlan, list[SequenceState]]:
-        """This step's plan (the scheduler's), and the whole short prompts that share one forward pass (not
+    def _plan_step(self) -> tuple[StepPlan, list[list[SequenceState]]]:
+        """This step's plan (the scheduler's), and the groups of prompts that share one forward pass each (not
         where snapshots must land on checkpoints)."""
         self._make_room()
         plan = self.scheduler.schedule()
         return plan, prompts_to_batch(plan.prefill) if self._trimmable else []
 
-    def _run_plan(self, plan: StepPlan, together: list[SequenceState]) -> None:
+    def _run_plan(self, plan: StepPlan, groups: list[list[SequenceState]]) -> None:
         """Run a planned step: its prompt chunks, the decode step, then post-processing."""
         clock = self.step_times
         if self.vision is not None:
             self._encode_images_ahead(plan)
+        together = {state.request_id for group in groups for state in group}
         for state, num_tokens in plan.prefill:
-            if state not in together:
+            if state.request_id not in together:
                 self._prefill(self._requests[state.request_id], num_tokens)
-        self._prefill_together([self._requests[state.request_id] for state in together])
+        for group in groups:
+            self._prefill_together([self._requests[state.request_id] for state in group])
         if plan.prefill:
             self.batch.costs.interrupt()
         clock.lap("prefill")
@@ -300,22 +304,26 @@ class BatchedEngine(Outcomes):
             self.batch.add(row, first)
 
     def _prefill_together(self, group: list[Submitted]) -> None:
-        """Process whole short prompts in one forward pass, and the rests of prompts that start from a cached state
-        in another; each group joins the decode batch together. A request whose prompt state is kept for its
-        siblings (``keep_prompt``) continues alone. Should a pass fail, each prompt is processed alone, so that only
-        the request that caused it fails."""
+        """Process a group of prompts of one kind (:func:`prompts_to_batch`) in one forward pass: whole text
+        prompts, whole image prompts, or the rests of prompts that start from a cached state; the group joins the
+        decode batch together. A request whose prompt state is kept for its siblings (``keep_prompt``) continues
+        alone. Should a pass fail, each prompt is processed alone, so that only the request that caused it fails."""
         now = time.monotonic()
         for submitted in group:
             submitted.started_at = now
-        fresh = [s for s in group if not s.state.num_prefilled]
-        alone = [s for s in group if s.state.num_prefilled and s.request.keep_prompt]
-        rests = [s for s in group if s.state.num_prefilled and not s.request.keep_prompt]
-        for submitted in alone:
-            self._prefill(submitted, submitted.state.num_prompt_remaining)
-        self._run_group(fresh, can_batch_prompts, lambda rows, subs: process_prompts(
-            self.model, rows, [s.request.prompt for s in subs], share=self.batch.share))
-        self._run_group(rests, can_continue_together, lambda rows, subs: process_continuations(
-            self.model, rows, [s.request.prompt[s.state.num_prefilled:] for s in subs], share=self.batch.share))
+        if group[0].state.num_prefilled:
+            for submitted in [s for s in group if s.request.keep_prompt]:
+                self._prefill(submitted, submitted.state.num_prompt_remaining)
+            self._run_group([s for s in group if not s.request.keep_prompt], can_continue_together,
+                            lambda rows, subs: process_continuations(
+                                self.model, rows, [s.request.prompt[s.state.num_prefilled:] for s in subs],
+                                share=self.batch.share))
+        elif group[0].request.media is not None:
+            self._run_group(group, can_batch_vision_prompts, lambda rows, subs: process_vision_prompts(
+                self.model, rows, [s.request.prompt for s in subs], share=self.batch.share))
+        else:
+            self._run_group(group, can_batch_prompts, lambda rows, subs: process_prompts(
+                self.model, rows, [s.request.prompt for s in subs], share=self.batch.share))
 
     def _run_group(self, group: list[Submitted], can_group: Callable[[list[Row]], bool],
                    run: Callable[[list[Row], list[Submitted]], tuple[list[Any], mx.array]]) -> None:
@@ -347,6 +355,8 @@ class BatchedEngine(Outcomes):
             self.scheduler.on_prefilled(state, state.num_prompt_remaining)
             self._post(submitted, Progress(state.num_prefilled, state.num_prompt_tokens))
             del self._prefilling[submitted.request.request_id]
+        for row in rows:
+            row.release_prompt()
         self.batch.add_batch(rows, cache, first)
 
     def _build_row(self, submitted: Submitted) -> Row | None:

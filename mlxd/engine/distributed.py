@@ -148,11 +148,11 @@ class LeaderEngine(GroupEngine):
         super().step()
         self.busy_since = None
 
-    def _plan_step(self) -> tuple[StepPlan, list[SequenceState]]:
-        plan, together = super()._plan_step()
+    def _plan_step(self) -> tuple[StepPlan, list[list[SequenceState]]]:
+        plan, groups = super()._plan_step()
         self._publish(Step([(state.request_id, n) for state, n in plan.prefill],
-                           [state.request_id for state in together]))
-        return plan, together
+                           [[state.request_id for state in group] for group in groups]))
+        return plan, groups
 
     def _make_room(self) -> int | None:
         shrunk = super()._make_room()
@@ -285,10 +285,10 @@ class FollowerEngine(GroupEngine):
                 return False
         return True
 
-    def _plan(self, step: Step) -> tuple[StepPlan, list[SequenceState]]:
+    def _plan(self, step: Step) -> tuple[StepPlan, list[list[SequenceState]]]:
         states = {request_id: self._requests[request_id].state for request_id, _ in step.prefill}
         plan = StepPlan([(states[request_id], n) for request_id, n in step.prefill], [])
-        return plan, [states[request_id] for request_id in step.together]
+        return plan, [[states[request_id] for request_id in group] for group in step.together]
 
     def _post_process(self, tokens: list[list[int]]) -> None:
         """Record what each row fed (rank 0 decides which rows end, and says so in its next message)."""

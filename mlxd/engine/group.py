@@ -73,7 +73,7 @@ Command = Submit | Keep | Drop | Clear | Shrink | EndAll | Stop
 
 class Step(msgspec.Struct, array_like=True):
     prefill: list[tuple[str, int]]  # (request id, prompt tokens to process)
-    together: list[str]  # the whole prompts among them that share one forward pass
+    together: list[list[str]]  # groups of them whose prompts share one forward pass each
 
 
 class Message(msgspec.Struct, array_like=True):

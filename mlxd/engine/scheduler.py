@@ -46,6 +46,7 @@ class SequenceState:
     cache_hit: str = "miss"
     num_cached_tokens: int = 0
     route: str = "text"
+    with_images: bool = False  # its prompt has images (processed through the vision path)
     prompt_text: str = ""  # the rendered prompt, shown (clipped) in /v1/status
     # Tokens it feeds a decode step: 1, or 1 + its drafts when speculative (what the step token budget counts).
     num_feeding: int = 1
@@ -57,7 +58,7 @@ class SequenceState:
         """The state of an engine request (``EngineRequest``) as it is submitted."""
         return cls(request_id=request.request_id, num_prompt_tokens=len(request.prompt),
                    prefill_chunk=request.prefill_chunk, max_tokens=request.max_tokens, route=request.route,
-                   prompt_text=request.prompt_text)
+                   with_images=request.media is not None, prompt_text=request.prompt_text)
 
     @property
     def num_prompt_remaining(self) -> int:
@@ -246,14 +247,15 @@ class Scheduler:
         return None
 
 
-def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
-    """Of a step's prompt chunks, those worth one forward pass together: whole prompts (one chunk each), and
-    separately the rests of prompts that start from a cached state (prefix-cache hits, one chunk each). Of each
-    kind the shortest ones, as many as keep the padded batch within twice their real tokens (none if fewer than
-    two); the whole prompts first."""
+def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[list[SequenceState]]:
+    """Of a step's prompt chunks, the groups worth one forward pass each: whole text prompts (one chunk each), whole
+    image prompts, and the rests of text prompts that start from a cached state (prefix-cache hits, one chunk each).
+    Of each kind the shortest ones, as many as keep the padded batch within twice their real tokens (no group of
+    fewer than two)."""
     fresh = [(s, n) for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens]
-    rests = [(s, n) for s, n in chunks if s.num_prefilled > 0 and n == s.num_prompt_remaining]
-    return _worth_one_pass(fresh) + _worth_one_pass(rests)
+    rests = [(s, n) for s, n in chunks if s.num_prefilled > 0 and n == s.num_prompt_remaining and not s.with_images]
+    kinds = ([c for c in fresh if not c[0].with_images], [c for c in fresh if c[0].with_images], rests)
+    return [group for group in map(_worth_one_pass, kinds) if group]
 
 
 def _worth_one_pass(chunks: list[tuple[SequenceState, int]]) -> list[SequenceState]:
