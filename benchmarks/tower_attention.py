@@ -25,7 +25,7 @@ from vision import png  # noqa: E402
 from mlxd.config.schema import ModelConfig  # noqa: E402
 from mlxd.media.images import decode_image  # noqa: E402
 from mlxd.models.load import load  # noqa: E402
-from mlxd.models.tower_attention import FAMILIES  # noqa: E402
+from mlxd.models.tower_attention import FAMILIES, SegmentAttention, use_segment_attention  # noqa: E402
 from mlxd.pipeline.images import ImageInputs  # noqa: E402
 
 
@@ -77,10 +77,12 @@ def main() -> None:
     parser.add_argument("--out", help="append a markdown section here (else print it)")
     args = parser.parse_args()
 
-    loaded = load(ModelConfig(source=args.model))  # with mlxd's attention (mlxd.models.tower_attention)
+    loaded = load(ModelConfig(source=args.model))
     family = loaded.model.family
     if family not in FAMILIES:
         raise SystemExit(f"{family} is not a family mlxd's tower attention serves: {FAMILIES}")
+    if not isinstance(loaded.model.vlm.vision_tower.blocks[0].attn, SegmentAttention):
+        use_segment_attention(loaded.model.vlm, family)  # load() swaps on GPU backends only
     swapper = Swapper(loaded)
 
     counts = [int(c) for c in args.images.split(",")]
