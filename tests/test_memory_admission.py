@@ -20,7 +20,7 @@ from mlxd.cache.prefix_cache import PrefixCache
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Token
 from mlxd.engine.batched import BatchedEngine
-from mlxd.engine.memory import MemoryBudget, measure_kv_cost, measure_memory
+from mlxd.engine.memory import MIN_CACHE_BYTES, MemoryBudget, measure_kv_cost, measure_memory
 from mlxd.errors import RequestError
 from tests.helpers import app_client, write_config
 
@@ -247,3 +247,20 @@ def test_over_http_the_refusal_is_a_400_naming_the_limit_and_status_shows_memory
     assert memory["kv_bytes_per_token"] == measured.kv.num_bytes_per_token_total
     assert memory["kv_reserved_bytes"] == 0  # nothing runs now
     assert 0 <= memory["prefix_cache_bytes"] <= kv_budget
+
+
+def test_the_engine_caps_mlx_buffer_cache_at_a_share_of_what_the_weights_leave(reference, measured):
+    """Freed buffers MLX keeps for reuse are capped (by default they may fill the whole memory limit, and hold what
+    other processes on the device need): a quarter of the KV budget, never below the floor."""
+    model, _ = reference
+    limit = measured.weights_bytes + 8 * 1024**3
+    engine = start_engine(model, limit, prefix_cache_bytes=0)
+    try:
+        cap = mx.set_cache_limit(0)  # returns the limit in force
+        mx.set_cache_limit(cap)
+    finally:
+        engine.stop()
+    assert cap == 2 * 1024**3 == engine.memory.cache_limit_bytes
+    small = MemoryBudget(limit_bytes=measured.weights_bytes + 1024**2, weights_bytes=measured.weights_bytes,
+                         kv=measured.kv)
+    assert small.cache_limit_bytes == MIN_CACHE_BYTES

@@ -124,9 +124,10 @@ class BatchedEngine(Outcomes):
         self.memory = measure_memory(self.model, limit_bytes=self.config.memory_limit_bytes,
                                      max_kv_size=self.config.max_kv_size)
         self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
+        mx.set_cache_limit(self.memory.cache_limit_bytes)
         log.info("memory_budget", limit_bytes=self.memory.limit_bytes, weights_bytes=self.memory.weights_bytes,
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
-                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes)
+                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes)
         self.vocab_size = logits_width(self.model)
         if self.drafter is not None:
             check_drafter(self.drafter, self.model, self.config, self.vocab_size)

@@ -34,6 +34,11 @@ from mlxd.errors import ConfigError, RequestError
 CPU_RAM_SHARE = 0.75
 # A GPU that reports only its total memory (CUDA): leave some for the driver and other processes.
 GPU_MEMORY_SHARE = 0.9
+# MLX keeps freed buffers for reuse up to its cache limit, by default its whole memory limit: buffers of shapes that
+# never come back (prompt groups, batch sizes) can hold tens of GB that the process does not use and that other
+# processes on the device cannot have. The engine caps the cache at this share of what the weights leave.
+CACHE_SHARE = 0.25
+MIN_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,11 @@ class MemoryBudget:
     def kv_budget_bytes(self) -> int:
         """Bytes left for request caches and the prefix cache together: the limit less the weights."""
         return self.limit_bytes - self.weights_bytes
+
+    @property
+    def cache_limit_bytes(self) -> int:
+        """What MLX's buffer cache may keep of freed buffers (``mx.set_cache_limit``, :data:`CACHE_SHARE`)."""
+        return max(MIN_CACHE_BYTES, int(self.kv_budget_bytes * CACHE_SHARE))
 
 
 def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0) -> MemoryBudget:
