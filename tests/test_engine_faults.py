@@ -409,15 +409,15 @@ def test_a_snapshot_the_device_cannot_take_skips_the_prefix_cache_and_the_engine
     model, _ = reference
     good = [solo(model, p, 12) for p in prompts[:2]]
     with faulty_engine(model) as (engine, _):
-        keep, failures = engine.reuse.keep, []
+        insert, failures = engine.reuse.cache.insert, []
 
-        def keep_out_of_memory(tokens, layers):
+        def insert_out_of_memory(tokens, layers):
             if not failures:
                 failures.append(len(tokens))
                 raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-            keep(tokens, layers)
+            insert(tokens, layers)
 
-        engine.reuse.keep = keep_out_of_memory
+        engine.reuse.cache.insert = insert_out_of_memory
 
         async def scenario():
             first = await outcome(engine, request("a", prompts[0], 12))

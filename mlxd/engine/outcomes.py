@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import mlx.core as mx
-
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Finished, RequestHandle, Token
 from mlxd.engine.batch import DecodeBatch
@@ -117,17 +115,11 @@ class Outcomes(EngineFront):
         return summary
 
     def _keep_decoded(self, request_id: str) -> None:
-        """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns. A
-        snapshot that cannot be taken (the device out of memory) is skipped: it would only have saved a later
-        prefill, so neither this request nor the engine ends with it."""
+        """Snapshot a decoding request's prompt + generated tokens (finished or cancelled) for later turns."""
         submitted = self._requests.get(request_id)
         if submitted is not None and self.reuse.cache is not None:
             tokens = submitted.cache_key + submitted.generated
-            try:
-                self.reuse.keep(tokens, self.batch.row_cache(request_id))
-            except Exception as e:  # noqa: BLE001 - reported; the request still finishes
-                log.warning("prefix_keep_failed", request_id=request_id, error_type=type(e).__name__, error=str(e))
-                mx.clear_cache()  # give back what the device's allocator holds, for the requests still running
+            self.reuse.keep(tokens, self.batch.row_cache(request_id))
 
     def _fail(self, request_id: str, phase: str, error: Exception) -> None:
         """End one request with ``Failed`` (500, a client-safe message); the error itself goes to the log."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import mlx.core as mx
+
 from mlxd.cache.prefix_cache import MISS, Hit, PrefixCache
 from mlxd.log import get_logger
 
@@ -38,13 +40,18 @@ class PromptReuse:
         return self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS
 
     def keep(self, tokens: Sequence[int], layers: Sequence[Any]) -> None:
-        """Snapshot ``layers``, which hold exactly ``tokens`` (batch size 1)."""
+        """Snapshot ``layers``, which hold exactly ``tokens`` (batch size 1). A snapshot that cannot be taken (the
+        device out of memory) is skipped: it would only have saved a later prefill, so no request and not the
+        engine ends with it."""
         if self.cache is None or not layers:
             return
         try:
             self.cache.insert(tokens, layers)
         except ValueError as e:  # a layer that does not hold these tokens: a bug to see, not to serve
             log.warning("prefix_cache_insert_skipped", reason=str(e), num_tokens=len(tokens))
+        except Exception as e:  # noqa: BLE001 - reported; whoever asked goes on without the snapshot
+            log.warning("prefix_keep_failed", num_tokens=len(tokens), error_type=type(e).__name__, error=str(e))
+            mx.clear_cache()  # give back what MLX's allocator holds, for the requests still running
 
     @staticmethod
     def chunk_end(start: int, num_tokens: int, checkpoints: Sequence[int], trimmable: bool) -> int:
