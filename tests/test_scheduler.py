@@ -228,6 +228,25 @@ def test_short_prompts_behind_a_long_one_that_does_not_fit_start_now():
     assert plans[1] == [("image1", 323), ("text3", 57)]
 
 
+def test_requests_whose_images_are_being_encoded_wait_without_holding_the_queue():
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=512)
+    image0, image1, text = seq("image0", 323, chunk=512), seq("image1", 323, chunk=512), seq("text", 57, chunk=512)
+    for sequence in (image0, image1, text):
+        sequence.encoding = sequence is not text
+        scheduler.add(sequence)
+    assert scheduler.head is text
+    assert run_prompt(scheduler) == [[("text", 57)]]
+    assert [s.request_id for s in scheduler.waiting] == ["image0", "image1"]
+    scheduler.running.clear()
+    assert not scheduler.has_work  # nothing to step: the engine waits for the encoder instead
+    assert image1.snapshot()["phase"] == "encoding"
+    image1.encoding = False
+    assert scheduler.has_work and scheduler.head is image1
+    assert run_prompt(scheduler) == [[("image1", 323)]]
+    image0.encoding = False
+    assert run_prompt(scheduler) == [[("image0", 323)]]
+
+
 def test_only_whole_prompts_pass_and_the_head_keeps_a_slot():
     scheduler = Scheduler(max_running=3, max_waiting=8, step_token_budget=20)
     for name, size, chunk in [("a", 15, 16), ("head", 16, 16), ("long", 40, 4), ("b", 3, 8), ("c", 1, 8)]:

@@ -13,13 +13,13 @@ whose row could not be built, whose prompt chunk or sampler raised (a group of p
 one by one); every decoding request when the shared decode step breaks. The loop goes on, with MLX's random state
 and the decode batch reset. Should the thread end anyway, :attr:`BatchedEngine.failure` says why, every request ends
 with a 503 ``Failed``, :meth:`BatchedEngine.submit` refuses, and ``on_failure`` is called.
-How requests end (events, finishing, failing, cancelling, timing out) is :mod:`mlxd.engine.outcomes`; the event
-loop's side is :mod:`mlxd.engine.front`.
+How requests come in (the inbox's commands, a submitted request taken on) is :mod:`mlxd.engine.intake`; how they
+end (events, finishing, failing, cancelling, timing out) is :mod:`mlxd.engine.outcomes`; the event loop's side is
+:mod:`mlxd.engine.front`.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +30,6 @@ from mlx_lm.generate import generation_stream
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import (
     EngineRequest,
-    Plain,
     Progress,
     SamplingParams,
     Speculative,
@@ -47,8 +46,8 @@ from mlxd.engine.batch import (
 )
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import Submitted
+from mlxd.engine.intake import Intake
 from mlxd.engine.memory import measure_memory
-from mlxd.engine.outcomes import Outcomes
 from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.row import Refused, Row, check_request, logits_width, make_request_cache, reset_random_state
 from mlxd.engine.sampling import make_request_sampler
@@ -56,19 +55,22 @@ from mlxd.engine.scheduler import SequenceState, StepPlan, prompts_to_batch
 from mlxd.engine.spec_step import check_drafter
 from mlxd.engine.speculation import SpecState
 from mlxd.engine.steptimes import StepTimes
-from mlxd.engine.vision import VisionPrefill, prompt_key
+from mlxd.engine.vision import VisionPrefill
 from mlxd.engine.warmup import warm_up_shapes, warm_up_verify
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
 
 
-class BatchedEngine(Outcomes):
+class BatchedEngine(Intake):
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps."""
 
     # A group of prompts whose shared pass failed is retried one prompt at a time (not in a distributed group,
     # where the other ranks cannot follow a retry).
     _retry_groups = True
+    # Images are encoded on a thread of their own while the engine steps (:mod:`mlxd.engine.encoder`); not in a
+    # distributed group, whose ranks must run the same work in the same step.
+    _encode_beside = True
 
     def __init__(self, model: Any, config: EngineConfig, *,
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
@@ -85,18 +87,26 @@ class BatchedEngine(Outcomes):
         # Caches that cannot be trimmed (recurrent layers) hit only where snapshotted: at checkpoints.
         self._trimmable = is_trimmable(make_request_cache(model, config.max_kv_size))
         # Vision-language models: image features (cached by image digest) merged into vision rows' prompts.
-        self.vision = (VisionPrefill(model, config.vision_feature_cache_bytes)
+        thread = config.vision_encoder_thread
+        beside = self._encode_beside and (mx.default_device() == mx.cpu if thread == "auto" else thread)
+        deliver = (lambda encoded: self._inbox.put(("encoded", encoded))) if beside else None
+        self.vision = (VisionPrefill(model, config.vision_feature_cache_bytes, deliver)
                        if hasattr(model, "encode") else None)
 
     # ---- engine thread (the event-loop side is EngineFront) ----
 
     def _run(self) -> None:
+        if self.vision is not None:
+            self.vision.start()
         try:
             with mx.stream(generation_stream):
                 self._serve()
             mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
         except BaseException as e:  # noqa: BLE001 - the engine is gone: its requests and its owner are told
             self._die(e)
+        finally:
+            if self.vision is not None:
+                self.vision.stop()
 
     def _serve(self) -> None:
         try:
@@ -138,75 +148,6 @@ class BatchedEngine(Outcomes):
     def _idle(self) -> None:
         mx.clear_cache()  # idle: give the freed buffers back
 
-    def _apply_inbox(self, block: bool) -> bool:
-        """Apply queued commands; return False once asked to stop. Blocks for at most ``_idle_wait_s`` (None:
-        until a command comes) when ``block``.
-
-        A request that wakes the idle engine waits for the requests arriving with it: commands are taken until
-        none has come for ``gather_ms`` (at most ten times that in all), so that a burst of requests starts in one
-        prompt pass instead of the first alone and the rest a step later."""
-        gather_s = self.config.gather_ms / 1000
-        deadline = None
-        while True:
-            try:
-                command, arg = self._inbox.get(block=block or deadline is not None,
-                                               timeout=self._idle_wait_s if block else _left(deadline, gather_s))
-            except queue.Empty:
-                return True
-            if block and command == "submit" and gather_s > 0:
-                deadline = time.monotonic() + 10 * gather_s
-            block = False
-            if command == "stop":
-                self._end_all("the server is shutting down; retry shortly")
-                return False
-            if command == "submit":
-                self._accept(arg)
-            elif command == "cancel":
-                self._cancel(*arg)
-            elif command == "abort_all":
-                self._end_all(arg)
-            elif command == "clear_cache":
-                loop, future = arg
-                loop.call_soon_threadsafe(future.set_result, self._clear_prefix_cache())
-
-    def _clear_prefix_cache(self) -> dict[str, Any]:
-        return self.reuse.clear()
-
-    def _accept(self, submitted: Submitted) -> None:
-        request_id = submitted.request.request_id
-        with self._lock:
-            if request_id not in self._pending:
-                return  # ended before it got here (abort_all)
-        self._requests[request_id] = submitted
-        mode = submitted.request.decode
-        submitted.state.decode = ({"mode": "plain", "reason": mode.reason} if isinstance(mode, Plain)
-                                  else {"mode": "speculative", "drafter": mode.drafter, "k": mode.k})
-        self.totals["num_requests"] += 1
-        self.totals["num_prompt_tokens"] += len(submitted.request.prompt)
-        try:
-            self._reuse_prefix(submitted)
-        except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
-            with self._lock:
-                del self._pending[request_id]
-            self._fail(request_id, "build", e)
-            return
-        with self._lock:
-            del self._pending[request_id]
-            self.scheduler.add(submitted.state)
-
-    def _reuse_prefix(self, submitted: Submitted) -> None:
-        """Start the prompt after the longest state the prefix cache holds for it."""
-        request, state = submitted.request, submitted.state
-        submitted.cache_key = prompt_key(request)
-        hit = self.reuse.lookup(submitted.cache_key)
-        state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
-        if hit.cache is None:
-            return
-        row = self._new_row(request, hit.cache)
-        state.num_prefilled = hit.num_cached
-        if row.processors:
-            row.history = mx.array(request.prompt[: hit.num_cached], dtype=mx.uint32)
-
     def step(self) -> None:
         """One engine step: schedule → run the batch → post-process (each phase timed: :mod:`.steptimes`)."""
         clock = self.step_times
@@ -225,7 +166,7 @@ class BatchedEngine(Outcomes):
     def _run_plan(self, plan: StepPlan, groups: list[list[SequenceState]]) -> None:
         """Run a planned step: its prompt chunks, the decode step, then post-processing."""
         clock = self.step_times
-        if self.vision is not None:
+        if self.vision is not None and self.vision.encoder is None:
             self._encode_images_ahead(plan)
         together = {state.request_id for group in groups for state in group}
         for state, num_tokens in plan.prefill:
@@ -407,7 +348,3 @@ class BatchedEngine(Outcomes):
             for request_id in request_ids:
                 self._fail(request_id, "decode", e)
             return []
-
-def _left(deadline: float | None, gap_s: float) -> float | None:
-    """How long to wait for the next command while gathering a burst (None when not gathering)."""
-    return None if deadline is None else max(0.0, min(gap_s, deadline - time.monotonic()))

@@ -79,6 +79,7 @@ class GroupEngine(BatchedEngine):
     failure inside a step ends the job (except refusals every rank makes alike)."""
 
     _retry_groups = False
+    _encode_beside = False  # every rank encodes a step's images in that step
 
     def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig,
                  **kwargs: Any) -> None:

@@ -15,6 +15,9 @@ running requests may reserve at most ``kv_budget_bytes`` together. In the decode
 the longest one, so ``num_running`` requests reserve ``num_running x`` the largest ``num_kv_bytes`` among them, not
 the sum. The head of the queue is admitted only when it fits; nothing overtakes it (FIFO), so a large request waits
 for room instead of being starved by small ones. Reservations end when a request is removed.
+
+A request whose images are still being encoded (``encoding``, beside the engine's steps) waits in the queue without
+being its head: the requests behind it go first, and it is admitted once its images are in.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class SequenceState:
     num_cached_tokens: int = 0
     route: str = "text"
     with_images: bool = False  # its prompt has images (processed through the vision path)
+    encoding: bool = False  # its images are being encoded: it may not start yet
     prompt_text: str = ""  # the rendered prompt, shown (clipped) in /v1/status
     # Tokens it feeds a decode step: 1, or 1 + its drafts when speculative (what the step token budget counts).
     num_feeding: int = 1
@@ -74,7 +78,7 @@ class SequenceState:
         elapsed = now - first if first is not None else 0.0
         return {
             "request_id": self.request_id,
-            "phase": self.phase,
+            "phase": "encoding" if self.encoding else self.phase,
             "route": self.route,
             "prompt": _clip(self.prompt_text),
             "num_prompt_tokens": self.num_prompt_tokens,
@@ -138,7 +142,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step has anything to run (requests waiting for their images to be encoded do not count)."""
+        return bool(self.running) or self.head is not None
+
+    @property
+    def head(self) -> SequenceState | None:
+        """The request to admit next: the first waiting one that is not ``encoding``."""
+        return next((s for s in self.waiting if not s.encoding), None)
 
     def can_add(self, num_pending: int = 0) -> bool:
         """Whether one more request fits: free running slots first, then ``max_waiting`` places in the queue.
@@ -168,7 +178,7 @@ class Scheduler:
         """What the requests need of ``budget_bytes`` now: the running ones' reservation, with the head of the
         queue's when it could then be admitted. Others (the prefix cache) may hold the rest."""
         if self._can_admit_head(budget_bytes):
-            return self.num_reserved_bytes_with(self.waiting[0])
+            return self.num_reserved_bytes_with(self.head)
         return self.num_reserved_bytes
 
     def can_admit(self) -> bool:
@@ -176,13 +186,15 @@ class Scheduler:
         return self._can_admit_head(self.kv_budget_bytes)
 
     def _can_admit_head(self, budget_bytes: int | None) -> bool:
-        return bool(self.waiting) and len(self.running) < self.max_running and self._fits(budget_bytes, self.waiting[0])
+        head = self.head
+        return head is not None and len(self.running) < self.max_running and self._fits(budget_bytes, head)
 
     def _fits(self, budget_bytes: int | None, *sequences: SequenceState) -> bool:
         return budget_bytes is None or self.num_reserved_bytes_with(*sequences) <= budget_bytes
 
     def admit(self) -> SequenceState:
-        sequence = self.waiting.popleft()
+        sequence = self.head
+        self.waiting.remove(sequence)
         sequence.phase = "prefill"
         self.running.append(sequence)
         return sequence
@@ -199,7 +211,7 @@ class Scheduler:
         prefill: list[tuple[SequenceState, int]] = []
         started = [s for s in self.running if s.phase == "prefill"]
         while started or self.can_admit():
-            sequence = started[0] if started else self.waiting[0]
+            sequence = started[0] if started else self.head
             num_tokens = sequence.next_chunk()
             if prefill and num_tokens > budget:
                 if not started:
@@ -218,7 +230,7 @@ class Scheduler:
         order: a short prompt need not wait a step behind a long one (a text question behind an image prompt).
         Each leaves a running slot and KV room for the head, so that nothing passed makes the head wait longer."""
         chosen = []
-        for sequence in list(self.waiting)[1:]:
+        for sequence in [s for s in self.waiting if s is not head and not s.encoding]:
             num_tokens = sequence.next_chunk()
             if num_tokens < sequence.num_prompt_remaining or num_tokens > budget:
                 continue

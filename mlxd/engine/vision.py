@@ -6,17 +6,27 @@ The feature cache keeps each image's vision-tower output by the image's content 
 recently used first out): an image re-sent in a later turn, or after a different system prompt, costs no
 vision-tower call. Families whose image inputs cannot be split per image run the vision tower on every request
 (``mlxd.models.vlm`` lists the families that split).
+
+Images are encoded ahead of their prompts, beside the engine's steps (:mod:`mlxd.engine.encoder`): an accepted
+request whose images the feature cache lacks is held (:meth:`VisionPrefill.hold`; the scheduler does not admit it)
+until the encoder thread gives their features back (:meth:`VisionPrefill.take`). Should that fail, the request is
+admitted anyway and encodes its images as its prompt starts, where a failure ends that request only. Without the
+encoder (the feature cache off, a family that does not split, a distributed group whose ranks must run the same
+work in the same step) the images of requests about to start are encoded in the engine's step
+(:meth:`VisionPrefill.encode_ahead`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.engine.base import EngineRequest
+from mlxd.engine.encoder import Encoded, ImageEncoder, Job
 
 
 def prompt_key(request: EngineRequest) -> list[int]:
@@ -75,11 +85,20 @@ class FeatureCache:
 
 
 class VisionPrefill:
-    """Builds vision rows' prompts for a :class:`~mlxd.models.vlm.VisionLanguageModel`."""
+    """Builds vision rows' prompts for a :class:`~mlxd.models.vlm.VisionLanguageModel`; with ``deliver``, encodes
+    images ahead on an :class:`~mlxd.engine.encoder.ImageEncoder` whose results ``deliver`` hands to the engine
+    thread (which passes them to :meth:`take`)."""
 
-    def __init__(self, model: Any, feature_cache_bytes: int) -> None:
+    max_images_a_call = 16
+
+    def __init__(self, model: Any, feature_cache_bytes: int,
+                 deliver: Callable[[Encoded], None] | None = None) -> None:
         self.model = model
         self.features = FeatureCache(feature_cache_bytes)
+        self.encoder = ImageEncoder(model, deliver) if deliver is not None and feature_cache_bytes else None
+        self._held: dict[str, set[str]] = {}  # request id -> digests of its images not encoded yet
+        self._in_flight: set[str] = set()  # digests with the encoder
+        self._job: Job = {}  # images to hand over at the next flush()
 
     def prepare(self, request: EngineRequest) -> Any:
         """The request's :class:`~mlxd.models.vlm.VisionPrompt` (evaluated: the vision tower runs here)."""
@@ -119,12 +138,74 @@ class VisionPrefill:
             self.features.put(digest, image_features)
         return len(todo)
 
+    def hold(self, request: EngineRequest) -> bool:
+        """Whether ``request`` must wait for the encoder: its images the feature cache lacks join the next job
+        (those another request already sent are not sent twice). False without the encoder, or when every image
+        is cached."""
+        media = request.media
+        per_image = self.model.split_inputs(media.inputs, len(media.digests)) if self.encoder is not None else None
+        if per_image is None:
+            return False
+        token = self.model.image_token_id
+        missing = set()
+        for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True):
+            if self.features.holds(digest):
+                continue
+            missing.add(digest)
+            if digest not in self._in_flight and digest not in self._job:
+                self._job[digest] = (image, request.prompt[start:end].count(token))
+        if missing:
+            self._held[request.request_id] = missing
+        return bool(missing)
+
+    def flush(self) -> None:
+        """Hand the images held since the last flush to the encoder, at most :attr:`max_images_a_call` a job."""
+        if not self._job:
+            return
+        todo = list(self._job.items())
+        self._job = {}
+        for i in range(0, len(todo), self.max_images_a_call):
+            job = dict(todo[i : i + self.max_images_a_call])
+            self._in_flight.update(job)
+            self.encoder.submit(job)
+
+    def take(self, encoded: Encoded) -> list[str]:
+        """Cache a finished job's features; returns the requests it released (every image of theirs is done,
+        encoded or failed: a failed one is encoded again when the request starts, in :meth:`prepare`)."""
+        for digest, features in zip(encoded.digests, encoded.features, strict=False):
+            self.features.put(digest, features)
+        done = set(encoded.digests)
+        self._in_flight -= done
+        released = []
+        for request_id, digests in self._held.items():
+            digests -= done
+            if not digests:
+                released.append(request_id)
+        for request_id in released:
+            del self._held[request_id]
+        return released
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: it waits for nothing any more. (Requests ended all at once, by an abort, are let go
+        when their jobs finish.)"""
+        self._held.pop(request_id, None)
+
+    def start(self) -> None:
+        if self.encoder is not None:
+            self.encoder.start()
+
+    def stop(self) -> None:
+        if self.encoder is not None:
+            self.encoder.stop()
+
     def status(self) -> dict[str, Any]:
         """Vision-tower runs (one per image encoded) and tower passes (images encoded together share one), the
-        feature cache's counters, and whether token-only passes run through the language model's text twin
-        (:mod:`mlxd.models.text_twin`)."""
+        feature cache's counters, the encoder thread's (None: images are encoded in the engine's steps), and whether
+        token-only passes run through the language model's text twin (:mod:`mlxd.models.text_twin`)."""
         return {"num_vision_calls": self.model.num_vision_calls, "num_tower_passes": self.model.num_tower_passes,
-                "feature_cache": self.features.stats(), "text_twin": self.model.has_text_twin}
+                "feature_cache": self.features.stats(), "text_twin": self.model.has_text_twin,
+                "encoder": self.encoder.status() if self.encoder is not None else None,
+                "num_held_requests": len(self._held)}
 
     def _image(self, digest: str, image: dict[str, Any], num_tokens: int) -> Any:
         """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""

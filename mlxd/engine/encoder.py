@@ -1,0 +1,97 @@
+"""The vision tower on a thread of its own, beside the engine thread.
+
+The engine thread hands over the images of requests it has just accepted (:meth:`ImageEncoder.submit`, one job
+for the images accepted together) and keeps stepping: rows already decoding do not wait for the tower. The encoder
+thread runs each job through the vision tower on its own MLX stream (several images in one tower call where the
+family allows it), evaluates the features and gives them back through ``deliver``, which puts them in the engine's
+inbox. On a GPU the tower's kernels then run while the engine builds its decode steps; on a CPU, on another core.
+
+MLX allows this since 0.31.2: every thread evaluates on its own streams, and an array crosses threads only once it
+is evaluated (the model's weights one way, the features the other). Everything else stays on the engine thread:
+the feature cache, the scheduler, which request waits for which image (:class:`mlxd.engine.vision.VisionPrefill`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.engine")
+
+# Per image: its processor inputs (numpy) and how many placeholder tokens its features fill.
+Job = dict[str, tuple[dict[str, np.ndarray], int]]
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A finished job: features per image digest (evaluated), or the error that stopped the tower call."""
+
+    digests: list[str]
+    features: list[Any]
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
+class ImageEncoder:
+    """Runs vision-tower jobs in order on one thread; each result goes to ``deliver`` (called on that thread)."""
+
+    def __init__(self, model: Any, deliver: Callable[[Encoded], None]) -> None:
+        self.model = model
+        self._deliver = deliver
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mlxd-image-encoder", daemon=True)
+        self.num_jobs = 0
+        self.num_images = 0
+        self.busy_s = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the job under way, drop the rest and end the thread."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def status(self) -> dict[str, Any]:
+        return {"num_jobs": self.num_jobs, "num_images": self.num_images, "busy_s": round(self.busy_s, 3)}
+
+    def _run(self) -> None:
+        stream = mx.new_stream(mx.default_device())  # streams belong to the thread that makes them
+        with mx.stream(stream):
+            while (job := self._jobs.get()) is not None:
+                encoded = self.encode(job)
+                self.num_jobs += 1
+                self.num_images += len(job)
+                self.busy_s += encoded.seconds
+                self._deliver(encoded)
+            mx.synchronize(stream)
+
+    def encode(self, job: Job) -> Encoded:
+        """One job through the vision tower: one call for every image where the family takes several at once."""
+        start = time.perf_counter()
+        digests = list(job)
+        try:
+            images = [{k: mx.array(v) for k, v in inputs.items()} for inputs, _ in job.values()]
+            if self.model.encodes_together and len(images) > 1:
+                features = self.model.encode_many(images)
+            else:
+                features = [self.model.encode(image, num_tokens)
+                            for image, (_, num_tokens) in zip(images, job.values(), strict=True)]
+            mx.eval(features)
+        except Exception as e:  # noqa: BLE001 - handed to the engine: each request then encodes its own images
+            log.warning("image_encode_failed", num_images=len(digests), error_type=type(e).__name__, error=str(e))
+            return Encoded(digests, [], e, time.perf_counter() - start)
+        return Encoded(digests, list(features), None, time.perf_counter() - start)
