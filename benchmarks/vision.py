@@ -395,9 +395,10 @@ def server_specs(args, tmp: Path) -> list[Server]:
     for name in args.servers.split(","):
         if name in ("mlxd", "mlxd_text"):
             specs.append(mlxd_server(name, args.model, tmp, "text" if name == "mlxd_text" else "auto",
-                                     args.server_log_level))
+                                     args.server_log_level, args.mlxd_engine))
         elif name == "mlxd_alt":
-            specs.append(mlxd_server(name, args.model, tmp, "auto", args.server_log_level, args.alt_engine))
+            specs.append(mlxd_server(name, args.model, tmp, "auto", args.server_log_level,
+                                     "\n".join(filter(None, [args.mlxd_engine, args.alt_engine]))))
             LABELS[name] = f"mlxd, {args.alt_engine}"
         elif name == "mlx_vlm":
             specs.append(mlx_vlm_server(args.model))
@@ -514,6 +515,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--servers", default="mlxd,mlx_vlm,mlxd_text",
                         help="comma list: mlxd, mlx_vlm, mlxd_text, mlxd_alt (mlxd with --alt-engine)")
     parser.add_argument("--alt-engine", default="", help="[engine] settings of mlxd_alt, e.g. 'step_token_budget = 2048'")
+    parser.add_argument("--mlxd-engine", default="",
+                        help="[engine] settings of every mlxd server, e.g. 'memory_limit_bytes = 28000000000' when "
+                             "several servers share one GPU")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best is kept")
     parser.add_argument("--samples", type=int, default=5, help="distinct images per TTFT case")
