@@ -136,6 +136,37 @@ def test_a_request_cancelled_while_its_images_are_encoded_ends_alone(gated):
     assert model.num_vision_calls == calls
 
 
+def test_a_new_image_after_a_cached_prefix_is_encoded_on_the_encoder_thread_too(tiny_vlm):
+    loaded = loaded_model(tiny_vlm("qwen2_5_vl"))
+    model, prompts = GatedTower(loaded.model), Prompts(loaded)
+    engine = BatchedEngine(model, EngineConfig(max_running=8, warmup_tokens=1))
+    engine.start()
+    before = "Here is a long note about the pictures that follow. " * 8  # a shared prefix past the cache's minimum
+    first, second = prompts("What is this?", 11, before=before), prompts("What is this?", 12, before=before)
+    text_job = prompts("A question without a picture.")
+    try:
+        cold = asyncio.run(collect_tokens(engine, request("cold", *second)))
+        engine.reuse.clear()
+        engine.vision.features.clear()
+        asyncio.run(collect_tokens(engine, request("first", *first)))  # its state is kept for later turns
+
+        async def together():
+            model.gate.clear()
+            held = asyncio.create_task(events_of(engine, request("second", *second)))
+            text = await asyncio.wait_for(collect_tokens(engine, request("text", *text_job)), 60)
+            assert not held.done() and engine.status()["waiting"][0]["phase"] == "encoding"
+            model.gate.set()
+            return await asyncio.wait_for(held, 60), text
+
+        (tokens, end), text = asyncio.run(together())
+    finally:
+        engine.stop()
+    # It started from the cached state (up to where the images differ), with a cold run's output.
+    assert isinstance(end, Finished) and end.num_cached_tokens >= 32
+    assert tokens == cold and len(text) == 10
+    assert model.encoder_threads == {"mlxd-image-encoder"}
+
+
 @pytest.mark.parametrize("thread", [True, False])
 def test_the_encoder_thread_is_a_setting_with_the_same_output(tiny_vlm, thread):
     loaded = loaded_model(tiny_vlm("qwen3_vl"))

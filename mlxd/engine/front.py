@@ -37,6 +37,8 @@ class Submitted:
     started_at: float | None = None  # when its first prompt chunk ran (admitted)
     # The prompt as the prefix cache keys it (image placeholders keyed by image digest): set on admission.
     cache_key: list[int] = field(default_factory=list)
+    # A prefix-cache state the prompt starts from, held while its images are encoded (its row is built after).
+    start_cache: list[Any] | None = None
 
 
 class EngineFront:

@@ -80,9 +80,9 @@ class Intake(Outcomes):
         self.totals["num_requests"] += 1
         self.totals["num_prompt_tokens"] += len(submitted.request.prompt)
         try:
-            self._reuse_prefix(submitted)
             if submitted.request.media is not None and self.vision is not None:
                 submitted.state.encoding = self.vision.hold(submitted.request)
+            self._reuse_prefix(submitted)
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
             with self._lock:
                 del self._pending[request_id]
@@ -93,11 +93,19 @@ class Intake(Outcomes):
             self.scheduler.add(submitted.state)
 
     def _encoded(self, encoded: Encoded) -> None:
-        """The encoder thread finished a job: the requests whose images are now all in may start."""
+        """The encoder thread finished a job: the requests whose images are now all in may start (those starting
+        from a prefix-cache state get their rows now)."""
         for request_id in self.vision.take(encoded):
             submitted = self._requests.get(request_id)
-            if submitted is not None:
-                submitted.state.encoding = False
+            if submitted is None:
+                continue
+            submitted.state.encoding = False
+            cache, submitted.start_cache = submitted.start_cache, None
+            if cache is not None:
+                try:
+                    self._start_from(submitted, cache)
+                except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
+                    self._fail(request_id, "build", e)
 
     def _release(self, request_id: str) -> Submitted | None:
         if self.vision is not None:
@@ -112,10 +120,18 @@ class Intake(Outcomes):
         state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
         if hit.cache is None:
             return
-        row = self._new_row(request, hit.cache)
         state.num_prefilled = hit.num_cached
+        if state.encoding:  # the row merges the images' features: it is built once they are in
+            submitted.start_cache = hit.cache
+        else:
+            self._start_from(submitted, hit.cache)
+
+    def _start_from(self, submitted: Submitted, cache: list[Any]) -> None:
+        """Build the row of a request whose prompt starts from a cached state (``num_prefilled`` tokens)."""
+        request = submitted.request
+        row = self._new_row(request, cache)
         if row.processors:
-            row.history = mx.array(request.prompt[: hit.num_cached], dtype=mx.uint32)
+            row.history = mx.array(request.prompt[: submitted.state.num_prefilled], dtype=mx.uint32)
 
 
 def _left(deadline: float | None, gap_s: float) -> float | None:
