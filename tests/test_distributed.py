@@ -179,16 +179,20 @@ def test_killing_rank_1_mid_stream_fails_the_request_and_ends_the_job(tiny_qwen3
 # ---- in process: the watchdog, the message format, the config ----
 
 class StuckChannel:
-    """A channel whose exchanges block once ``stuck`` is set: a collective with a peer that is gone."""
+    """A channel whose exchanges block once ``stuck`` is set (a collective with a peer that is gone), or raise as a
+    collective does when the peer's connection breaks (``broken``)."""
 
     rank, size = 0, 2
 
-    def __init__(self) -> None:
+    def __init__(self, broken: bool = False) -> None:
+        self.broken = broken
         self.stuck = threading.Event()
         self.released = threading.Event()
 
     def exchange(self, message, stats):
         if self.stuck.is_set():
+            if self.broken:
+                raise RuntimeError("[ring] Send failed: connection reset by peer")
             self.released.wait()
         return None, [dict(pid=1), dict(pid=2)]
 
@@ -196,11 +200,17 @@ class StuckChannel:
         return tokens
 
 
-def test_the_watchdog_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir):
+@pytest.mark.parametrize(("broken", "told", "reason"), [
+    (False, "waited more than 1 s for the group", "a rank died or hangs"),
+    (True, "RuntimeError on rank 0's engine thread, in a group of 2 ranks", "may have died or lost its connection"),
+])
+def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, broken, told, reason):
+    # A dead peer either blocks rank 0's collective (the watchdog ends the job) or makes it raise; either way the
+    # clients and the job's owner are told that the group broke.
     from mlx_lm import load
 
     model, _ = load(str(tiny_qwen3_dir))
-    channel = StuckChannel()
+    channel = StuckChannel(broken)
     settings = DistributedConfig(backend="ring", tensor_parallel=2, step_timeout_s=1.0, heartbeat_s=0.2)
     engine = LeaderEngine(model, EngineConfig(max_running=2, warmup_tokens=1), channel=channel, settings=settings)
     failures: list[str] = []
@@ -222,12 +232,12 @@ def test_the_watchdog_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir)
         started = time.monotonic()
         events = asyncio.run(asyncio.wait_for(run(), 30))
         assert isinstance(events[-1], Failed) and events[-1].status == 503
-        assert "waited more than 1 s for the group" in events[-1].message
+        assert told in events[-1].message
         assert time.monotonic() - started < 10
         deadline = time.monotonic() + 5  # on_failure runs right after the requests are told
         while not failures and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert failures and "a rank died or hangs" in failures[0]
+        assert failures and reason in failures[0]
         assert engine.failure == failures[0]
     finally:
         channel.released.set()

@@ -122,6 +122,11 @@ class LeaderEngine(GroupEngine):
         super()._warm_up()
         self._publish(None)  # every rank is up and warm before /health turns 200; their numbers are in
 
+    def _failure_reason(self, error: BaseException) -> str:
+        # A collective raises, rather than blocks until the watchdog ends the job, when a peer's connection breaks.
+        return (f"{type(error).__name__} on rank 0's engine thread, in a group of {self.channel.size} ranks (a rank "
+                "may have died or lost its connection); the job ends so that it can be restarted")
+
     def _publish(self, step: Step | None) -> None:
         if not self._commands and step is not None and not step.prefill:
             message = DECODE_ONLY  # one small collective: the ranks' state cannot have changed

@@ -187,9 +187,13 @@ class Outcomes(EngineFront):
                 self._post(submitted, Failed(f"the request waited more than {limit:g} s in the queue for a free "
                                              "slot; retry later", status=503))
 
+    def _failure_reason(self, error: BaseException) -> str:
+        """Why the engine stopped, as clients and ``/health`` are told (the error itself goes to the log)."""
+        return f"{type(error).__name__} on the engine thread"
+
     def _die(self, error: BaseException) -> None:
         """The engine thread ends on an error: record why, end every request, refuse new ones, tell the owner."""
-        reason = f"{type(error).__name__} on the engine thread"
+        reason = self._failure_reason(error)
         log.error("engine_failed", reason=reason, error=str(error), exc_info=error)
         with self._lock:
             self.failure = reason
