@@ -117,10 +117,11 @@ class VisionPrefill:
         mx.eval(vision.embeds, vision.extras)
         return vision
 
-    def encode_ahead(self, requests: list[EngineRequest], max_images: int = 16) -> int:
+    def encode_ahead(self, requests: list[EngineRequest]) -> int:
         """Encode the images of ``requests`` (prompts about to start) that the feature cache lacks in one
-        vision-tower call, up to ``max_images``; their :meth:`prepare` then finds them cached. Returns how many were
-        encoded: none for families without a joint call, a feature cache turned off, or fewer than two images."""
+        vision-tower call, up to :attr:`max_images_a_call`; their :meth:`prepare` then finds them cached. Returns
+        how many were encoded: none for families without a joint call, a feature cache turned off, or fewer than two
+        images."""
         if not self.model.encodes_together or not self.features.budget_bytes:
             return 0
         todo: dict[str, dict[str, Any]] = {}
@@ -128,7 +129,7 @@ class VisionPrefill:
             media = request.media
             per_image = self.model.split_inputs(media.inputs, len(media.digests)) or []
             for digest, image in zip(media.digests, per_image, strict=False):
-                if len(todo) < max_images and digest not in todo and not self.features.holds(digest):
+                if len(todo) < self.max_images_a_call and digest not in todo and not self.features.holds(digest):
                     todo[digest] = image
         if len(todo) < 2:
             return 0
