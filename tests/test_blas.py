@@ -179,6 +179,12 @@ def test_preload_environment_adds_gfortran_only_for_the_wheel(monkeypatch: pytes
     assert preload_environment(wheel, {})["LD_LIBRARY_PATH"] == folder  # a second start reuses the link
 
 
+def test_openblas_workers_sleep_after_a_call_unless_the_environment_says_otherwise(tmp_path: Path) -> None:
+    lib = Path("/usr/lib/libopenblas.so.0")
+    assert preload_environment(lib, {})["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert preload_environment(lib, {"OPENBLAS_THREAD_TIMEOUT": "20"})["OPENBLAS_THREAD_TIMEOUT"] == "20"
+
+
 def test_mapped_blas_lists_no_openblas_in_a_plain_process() -> None:
     # The test runner was not started with OpenBLAS preloaded (unless a developer did so on purpose).
     if "libopenblas" not in os.environ.get("LD_PRELOAD", ""):

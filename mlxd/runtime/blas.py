@@ -21,6 +21,12 @@ file name or soname only, so preloading that copy is not enough: a folder in the
 ``libgfortran.so.5`` link to it and goes first in ``LD_LIBRARY_PATH``, and the copy itself is preloaded by its real
 path (its ``$ORIGIN`` run path finds its own ``libquadmath``). Each candidate is first tried on a throwaway
 ``python -S`` so that a library that does not load never takes the daemon down with it.
+
+The re-executed process also gets ``OPENBLAS_THREAD_TIMEOUT=4`` unless the environment sets it: after each call
+OpenBLAS's worker threads spin for 2^28 cycles by default before they sleep, and a decode step calls it every few
+milliseconds, so on a 2-core machine one worker spun through 60-85% of a core (system time in ``sched_yield``)
+beside the engine thread. 2^4 cycles lets it sleep at once: 8 streams of the tiny benchmark model ran 1.08-1.36x
+faster, 1 and 16 streams the same (``docs/benchmarks/engine.md``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from mlxd.runtime.paths import default_cache_dir
 ENV_SETTING = "MLXD_OPENBLAS"
 # Set in the re-executed process, so that it never re-executes again whatever else goes wrong.
 ENV_REEXECED = "MLXD_OPENBLAS_REEXECED"
+THREAD_TIMEOUT = "OPENBLAS_THREAD_TIMEOUT"
 LIBRARY = "libopenblas.so.0"
 PIP_DISTRIBUTION = "cmeel-openblas"
 GFORTRAN = "libgfortran.so.5"
@@ -167,6 +174,7 @@ def preload_environment(lib: Path, environ: Mapping[str, str]) -> dict[str, str]
         env["LD_LIBRARY_PATH"] = _prepend(str(_gfortran_link_folder(gfortran)), environ.get("LD_LIBRARY_PATH"))
         preload.insert(0, str(gfortran))
     env["LD_PRELOAD"] = _prepend(":".join(preload), environ.get("LD_PRELOAD"))
+    env.setdefault(THREAD_TIMEOUT, "4")  # its workers sleep right after a call instead of spinning (module doc)
     return env
 
 
