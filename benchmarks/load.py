@@ -227,7 +227,7 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
         # PYTHONSAFEPATH: `python -m mlxd` would otherwise put the working directory (this checkout, when run from
         # its root) ahead of PYTHONPATH, and serve this mlxd under the baseline's name.
         env = {"PYTHONPATH": os.pathsep.join([str(Path(args.baseline_mlxd).resolve()), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONSAFEPATH": "1"}
+               "PYTHONSAFEPATH": "1", **dict(item.split("=", 1) for item in args.baseline_env.split())}
         specs.append(("mlxd baseline (HTTP)", command, "/health", env))
     return specs
 
@@ -355,6 +355,9 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     parser.add_argument("--baseline-mlxd", help="another mlxd source tree (e.g. `git worktree add ../base HEAD~3`), "
                                                "served side by side as 'mlxd baseline'")
+    parser.add_argument("--baseline-env", default="",
+                        help="environment of the baseline server only, 'NAME=value ...' (e.g. the same tree under "
+                             "another setting: --baseline-mlxd . --baseline-env OPENBLAS_THREAD_TIMEOUT=4)")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
