@@ -42,7 +42,8 @@ class GatedTower(VisionLanguageModel):
 def gated(tiny_vlm):
     loaded = loaded_model(tiny_vlm("qwen2_5_vl"))
     model = GatedTower(loaded.model)
-    engine = BatchedEngine(model, EngineConfig(max_running=8, prefix_cache_bytes=0, warmup_tokens=1))
+    engine = BatchedEngine(model, EngineConfig(max_running=8, prefix_cache_bytes=0, warmup_tokens=1,
+                                               vision_encoder_thread=True))
     engine.start()
     yield engine, model, Prompts(loaded)
     engine.stop()
@@ -139,7 +140,7 @@ def test_a_request_cancelled_while_its_images_are_encoded_ends_alone(gated):
 def test_a_new_image_after_a_cached_prefix_is_encoded_on_the_encoder_thread_too(tiny_vlm):
     loaded = loaded_model(tiny_vlm("qwen2_5_vl"))
     model, prompts = GatedTower(loaded.model), Prompts(loaded)
-    engine = BatchedEngine(model, EngineConfig(max_running=8, warmup_tokens=1))
+    engine = BatchedEngine(model, EngineConfig(max_running=8, warmup_tokens=1, vision_encoder_thread=True))
     engine.start()
     before = "Here is a long note about the pictures that follow. " * 8  # a shared prefix past the cache's minimum
     first, second = prompts("What is this?", 11, before=before), prompts("What is this?", 12, before=before)

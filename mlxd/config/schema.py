@@ -117,10 +117,9 @@ class EngineConfig(Base):
     vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512 * 1024**2
     # Vision-language models: encode images on a thread of their own while the engine steps (the requests waiting
     # for them are admitted once their features are in), instead of inside the step that starts their prompts.
-    # "auto": where MLX runs on the CPU (the tower takes another core); on a GPU, whose decode steps are bound by
-    # the host, the thread's share of the interpreter costs the steps more than it saves. Needs the feature cache;
-    # not in a distributed group.
-    vision_encoder_thread: Literal["auto"] | bool = "auto"
+    # Text requests then never wait for other requests' images, for 11-17% of a mixed workload's throughput on the
+    # CPU and 2-6% on an H100 (docs/benchmarks/vision.md). Needs the feature cache; not in a distributed group.
+    vision_encoder_thread: bool = False
     # A request that waits in the queue longer than this gets 503 instead of waiting forever (0: no limit).
     max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     # Memory admission: the KV cache a request can grow to (prompt + max_tokens) is counted against this, less the

@@ -87,8 +87,7 @@ class BatchedEngine(Intake):
         # Caches that cannot be trimmed (recurrent layers) hit only where snapshotted: at checkpoints.
         self._trimmable = is_trimmable(make_request_cache(model, config.max_kv_size))
         # Vision-language models: image features (cached by image digest) merged into vision rows' prompts.
-        thread = config.vision_encoder_thread
-        beside = self._encode_beside and (mx.default_device() == mx.cpu if thread == "auto" else thread)
+        beside = self._encode_beside and config.vision_encoder_thread
         deliver = (lambda encoded: self._inbox.put(("encoded", encoded))) if beside else None
         self.vision = (VisionPrefill(model, config.vision_feature_cache_bytes, deliver)
                        if hasattr(model, "encode") else None)
