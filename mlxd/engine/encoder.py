@@ -80,18 +80,24 @@ class ImageEncoder:
             mx.synchronize(stream)
 
     def encode(self, job: Job) -> Encoded:
-        """One job through the vision tower: one call for every image where the family takes several at once."""
+        """One job through the vision tower (:func:`encode_images`); an error is handed back, not raised."""
         start = time.perf_counter()
         digests = list(job)
         try:
-            images = [{k: mx.array(v) for k, v in inputs.items()} for inputs, _ in job.values()]
-            if self.model.encodes_together and len(images) > 1:
-                features = self.model.encode_many(images)
-            else:
-                features = [self.model.encode(image, num_tokens)
-                            for image, (_, num_tokens) in zip(images, job.values(), strict=True)]
-            mx.eval(features)
+            features = encode_images(self.model, job)
         except Exception as e:  # noqa: BLE001 - handed to the engine: each request then encodes its own images
             log.warning("image_encode_failed", num_images=len(digests), error_type=type(e).__name__, error=str(e))
             return Encoded(digests, [], e, time.perf_counter() - start)
-        return Encoded(digests, list(features), None, time.perf_counter() - start)
+        return Encoded(digests, features, None, time.perf_counter() - start)
+
+
+def encode_images(model: Any, job: Job) -> list[Any]:
+    """The features of ``job``'s images, in its order, evaluated: one vision-tower call for them all where the family
+    takes several images at once (:attr:`~mlxd.models.vlm.VisionLanguageModel.encodes_together`), else one each."""
+    images = [{k: mx.array(v) for k, v in inputs.items()} for inputs, _ in job.values()]
+    if model.encodes_together and len(images) > 1:
+        features = model.encode_many(images)
+    else:
+        features = [model.encode(image, num_tokens) for image, (_, num_tokens) in zip(images, job.values(), strict=True)]
+    mx.eval(features)
+    return list(features)

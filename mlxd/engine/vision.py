@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.engine.base import EngineRequest
-from mlxd.engine.encoder import Encoded, ImageEncoder, Job
+from mlxd.engine.encoder import Encoded, ImageEncoder, Job, encode_images
 
 
 def prompt_key(request: EngineRequest) -> list[int]:
@@ -106,14 +106,11 @@ class VisionPrefill:
         assert media is not None
         inputs = {k: mx.array(v) for k, v in media.inputs.items()}
         prompt = mx.array(request.prompt, dtype=mx.int32)[None]
-        per_image = self.model.split_inputs(media.inputs, len(media.digests))
-        if per_image is None:
+        images = self._images(request)
+        if images is None:
             vision = self.model.embed(prompt, inputs, None)
         else:
-            token = self.model.image_token_id
-            features = [self._image(digest, image, request.prompt[start:end].count(token))
-                        for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True)]
-            vision = self.model.embed(prompt, inputs, features)
+            vision = self.model.embed(prompt, inputs, [self._image(*image) for image in images])
         mx.eval(vision.embeds, vision.extras)
         return vision
 
@@ -124,40 +121,44 @@ class VisionPrefill:
         images."""
         if not self.model.encodes_together or not self.features.budget_bytes:
             return 0
-        todo: dict[str, dict[str, Any]] = {}
+        job: Job = {}
         for request in requests:
-            media = request.media
-            per_image = self.model.split_inputs(media.inputs, len(media.digests)) or []
-            for digest, image in zip(media.digests, per_image, strict=False):
-                if len(todo) < self.max_images_a_call and digest not in todo and not self.features.holds(digest):
-                    todo[digest] = image
-        if len(todo) < 2:
+            for digest, image in self._missing(request).items():
+                if len(job) < self.max_images_a_call:
+                    job.setdefault(digest, image)
+        if len(job) < 2:
             return 0
-        features = self.model.encode_many([{k: mx.array(v) for k, v in image.items()} for image in todo.values()])
-        mx.eval(features)
-        for digest, image_features in zip(todo, features, strict=True):
-            self.features.put(digest, image_features)
-        return len(todo)
+        for digest, features in zip(job, encode_images(self.model, job), strict=True):
+            self.features.put(digest, features)
+        return len(job)
 
     def hold(self, request: EngineRequest) -> bool:
         """Whether ``request`` must wait for the encoder: its images the feature cache lacks join the next job
         (those another request already sent are not sent twice). False without the encoder, or when every image
         is cached."""
-        media = request.media
-        per_image = self.model.split_inputs(media.inputs, len(media.digests)) if self.encoder is not None else None
-        if per_image is None:
-            return False
-        token = self.model.image_token_id
-        missing = set()
-        for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True):
-            if self.features.holds(digest):
-                continue
-            missing.add(digest)
-            if digest not in self._in_flight and digest not in self._job:
-                self._job[digest] = (image, request.prompt[start:end].count(token))
+        missing = self._missing(request) if self.encoder is not None else {}
+        for digest, image in missing.items():
+            if digest not in self._in_flight:
+                self._job.setdefault(digest, image)
         if missing:
-            self._held[request.request_id] = missing
+            self._held[request.request_id] = set(missing)
         return bool(missing)
+
+    def _images(self, request: EngineRequest) -> list[tuple[str, dict[str, Any], int]] | None:
+        """The request's images in prompt order: digest, processor inputs and placeholder tokens each; None when the
+        family's inputs cannot be split per image."""
+        media = request.media
+        per_image = self.model.split_inputs(media.inputs, len(media.digests))
+        if per_image is None:
+            return None
+        token = self.model.image_token_id
+        return [(digest, image, request.prompt[start:end].count(token))
+                for digest, image, (start, end) in zip(media.digests, per_image, media.spans, strict=True)]
+
+    def _missing(self, request: EngineRequest) -> Job:
+        """Those of the request's images the feature cache lacks (none when they cannot be split per image)."""
+        return {digest: (image, num_tokens) for digest, image, num_tokens in self._images(request) or []
+                if not self.features.holds(digest)}
 
     def flush(self) -> None:
         """Hand the images held since the last flush to the encoder, at most :attr:`max_images_a_call` a job."""
@@ -212,7 +213,6 @@ class VisionPrefill:
         """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""
         features = self.features.get(digest)
         if features is None:
-            features = self.model.encode({k: mx.array(v) for k, v in image.items()}, num_tokens)
-            mx.eval(features)
+            [features] = encode_images(self.model, {digest: (image, num_tokens)})
             self.features.put(digest, features)
         return features
