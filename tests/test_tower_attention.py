@@ -3,6 +3,8 @@ run segment by segment, and mlx-vlm's own tower on the same weights and images."
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -67,18 +69,23 @@ def tower_inputs(loaded, sizes: list[int]) -> dict[str, mx.array]:
 def test_tower_matches_mlx_vlm_tower(tiny_vlm, family):
     """Images whose windows are all full (224 px), and ones with partial edge windows (140 px) and of different
     sizes in one call (whole-image layers gathered too): the same features as mlx-vlm's tower on the same weights,
-    to float tolerance. (The swap is made at load on GPU backends only; here it is made by hand.)"""
+    to float tolerance. ``load`` makes the swap on every backend (here the CPU's attention)."""
     loaded = load(ModelConfig(source=str(tiny_vlm(family))))
     blocks = loaded.model.vlm.vision_tower.blocks
-    assert not any(isinstance(block.attn, SegmentAttention) for block in blocks)  # the CPU keeps mlx-vlm's
+    assert all(isinstance(block.attn, SegmentAttention) for block in blocks)
     cases = [tower_inputs(loaded, sizes) for sizes in ([224], [140], [224, 140, 112])]
+    got = [features(loaded, inputs) for inputs in cases]
+    vision = importlib.import_module(f"mlx_vlm.models.{family}.vision")
+    for block in blocks:  # mlx-vlm's own attention module on the same layers
+        theirs = vision.Attention(block.attn.qkv.weight.shape[1], block.attn.num_heads)
+        theirs.update_modules({"qkv": block.attn.qkv, "proj": block.attn.proj})
+        block.update_modules({"attn": theirs})
     want = [features(loaded, inputs) for inputs in cases]
+    for ours, reference in zip(got, want, strict=True):
+        assert ours.shape == reference.shape
+        assert np.allclose(ours, reference, atol=1e-4, rtol=1e-4), np.abs(ours - reference).max()
     assert use_segment_attention(loaded.model.vlm, family) == len(blocks)
     assert all(isinstance(block.attn, SegmentAttention) for block in blocks)
-    for inputs, reference in zip(cases, want, strict=True):
-        got = features(loaded, inputs)
-        assert got.shape == reference.shape
-        assert np.allclose(got, reference, atol=1e-4, rtol=1e-4), np.abs(got - reference).max()
 
 
 def features(loaded, inputs: dict[str, mx.array]) -> np.ndarray:

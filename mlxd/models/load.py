@@ -138,7 +138,7 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
         twin = language_twin(folder, model.language_model, dequantize=dtype is not None)
         if twin is not None:
             model.attach_text_twin(twin)
-    if kind == "vision" and mx.default_device() != mx.cpu:
+    if kind == "vision":
         _use_segment_attention(model)
     if group is not None:
         shard(model, group)
@@ -171,8 +171,8 @@ def _use_small_batch_kernel(model: Any) -> None:
 
 
 def _use_segment_attention(model: Any) -> None:
-    """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`).
-    GPU backends only: on the CPU the tower is bound by its arithmetic, and four images took 9% longer."""
+    """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`),
+    over the cores on the CPU (:mod:`mlxd.models.cpu_attention`)."""
     from mlxd.models.tower_attention import use_segment_attention
 
     swapped = use_segment_attention(model.vlm, model.family)

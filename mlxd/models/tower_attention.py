@@ -11,6 +11,9 @@ layer: the segments become the rows of one batch, of their common length or padd
 masked out of the keys. The bounds are read once per bounds array (the tower passes the same array object to every
 layer of a kind), so a tower call waits for the device twice, not once a layer. :func:`use_segment_attention` swaps
 the modules in through MLX's public ``update_modules``; the mlx-vlm classes are untouched.
+
+On GPU backends the batch goes to MLX's fused attention (through mlx-vlm's ``ensure_fused_sdpa``); on the CPU, whose
+tower is bound by the softmax's arithmetic, not the host, to :func:`mlxd.models.cpu_attention.cpu_attention`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_vlm.models.base import ensure_fused_sdpa
+
+from mlxd.models.cpu_attention import cpu_attention
 
 # Families whose vision module has this ``Attention(x, cu_seqlens, rotary_pos_emb)`` (mlx-vlm 0.7.10).
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -62,11 +67,17 @@ class SegmentLayout:
         if self.gather is None:
             q, k, v = (t.reshape(self.num_segments, self.length, heads, dim).transpose(0, 2, 1, 3)
                        for t in (q, k, v))
-            out = ensure_fused_sdpa(q, k, v, scale)
+            out = _attention(q, k, v, scale)
             return out.transpose(0, 2, 1, 3).reshape(n, heads * dim)
         q, k, v = (t[self.gather].transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = ensure_fused_sdpa(q, k, v, scale, mask=self.keys)
+        out = _attention(q, k, v, scale, mask=self.keys)
         return out.transpose(0, 2, 1, 3).reshape(-1, heads * dim)[self.scatter]
+
+
+def _attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
+    if mx.default_device() == mx.cpu:
+        return cpu_attention(q, k, v, scale, mask)
+    return ensure_fused_sdpa(q, k, v, scale, mask=mask)
 
 
 class LayoutMemo:
