@@ -339,14 +339,19 @@ def ratio_lines(rounds: dict[tuple[str, str], list[list[Stream]]]) -> str:
         runs = rounds.get((workload, name))
         return summarize(_only(best_round(runs), kind))[key] if runs else None
 
+    def median(name: str, kind: str | None, key: str) -> float:
+        return statistics.median(summarize(_only(streams, kind))[key] for streams in rounds[("4 image + 4 text", name)])
+
     lines = []
     pairs = [("mlxd", "mlx_vlm"), ("mlxd_alt", "mlx_vlm"), ("mlxd_alt", "mlxd")]
     for (mine, other), kind in itertools.product(pairs, (None, "image", "text")):
         ours, theirs = rate("4 image + 4 text", mine, kind), rate("4 image + 4 text", other, kind)
         if ours and theirs:
             ours_e2e, theirs_e2e = (rate("4 image + 4 text", n, kind, "e2e_tok_s") for n in (mine, other))
+            medians = [median(mine, kind, key) / median(other, kind, key) for key in ("tok_s", "e2e_tok_s")]
             lines.append(f"- 4 image + 4 text, {kind or 'all'} streams: {LABELS[mine]} / {LABELS[other]} "
-                         f"{ours / theirs:.2f}x aggregate, {ours_e2e / theirs_e2e:.2f}x end-to-end")
+                         f"{ours / theirs:.2f}x aggregate, {ours_e2e / theirs_e2e:.2f}x end-to-end (best rounds); "
+                         f"{medians[0]:.2f}x, {medians[1]:.2f}x (medians of the rounds)")
     for workload in ("8 text", "1 text"):
         vision, text = rate(workload, "mlxd"), rate(workload, "mlxd_text")
         if vision and text:
@@ -470,7 +475,10 @@ sockets by a small raw-asyncio streaming client, as in `benchmarks/load.py`. Gre
   starts some streams early.
 - Concurrent workloads run in interleaved rounds (every other round takes the servers in reverse order), each
   round with images and prompts no earlier round used (no cache helps across rounds); the best round of each point
-  (by aggregate tok/s over all its streams) is kept, and every round's aggregate is listed. Completion tokens are totals, the fewest in one stream in brackets.
+  (by aggregate tok/s over all its streams) is kept, and every round's aggregate is listed. The mixed workload's
+  ratios are given for the best rounds and for the medians over the rounds (one round in which a server happens to
+  start every stream at once can lift its best aggregate far above its others). Completion tokens are totals, the
+  fewest in one stream in brackets.
 - Images are generated PNGs (8×8-pixel blocks of seeded random colours) sent as `data:` URIs in OpenAI
   `image_url` parts.
 """
