@@ -25,7 +25,7 @@ from vision import png  # noqa: E402
 from mlxd.config.schema import ModelConfig  # noqa: E402
 from mlxd.media.images import decode_image  # noqa: E402
 from mlxd.models.load import load  # noqa: E402
-from mlxd.models.tower_attention import FAMILIES, SegmentAttention, use_segment_attention  # noqa: E402
+from mlxd.models.tower_attention import FAMILIES, SegmentAttention  # noqa: E402
 from mlxd.pipeline.images import ImageInputs  # noqa: E402
 
 
@@ -82,7 +82,7 @@ def main() -> None:
     if family not in FAMILIES:
         raise SystemExit(f"{family} is not a family mlxd's tower attention serves: {FAMILIES}")
     if not isinstance(loaded.model.vlm.vision_tower.blocks[0].attn, SegmentAttention):
-        use_segment_attention(loaded.model.vlm, family)  # load() swaps on GPU backends only
+        raise SystemExit("load() did not swap in mlxd's tower attention")
     swapper = Swapper(loaded)
 
     counts = [int(c) for c in args.images.split(",")]
