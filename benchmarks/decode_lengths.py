@@ -27,7 +27,8 @@ def one_pass(model, streams: int, length: int, steps: int, tag: int) -> list[flo
     import mlx.core as mx
 
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.batch import DecodeBatch, process_prompts
+    from mlxd.engine.batch import DecodeBatch
+    from mlxd.engine.prompts import process_prompts
     from mlxd.engine.row import Row
 
     prompts = [[(tag * 131 + i * 17 + j * 7) % 5000 + 10 for j in range(length + (i * 3) % 9)] for i in range(streams)]

@@ -95,7 +95,8 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
     this thread, greedy rows joined through one prompt pass as the engine joins them: the batch step with no
     engine thread, scheduler, event queue or client around it."""
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.batch import DecodeBatch, process_prompt, process_prompts
+    from mlxd.engine.batch import DecodeBatch
+    from mlxd.engine.prompts import process_prompt, process_prompts
     from mlxd.engine.row import Row
 
     rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]

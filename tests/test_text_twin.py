@@ -13,9 +13,9 @@ from mlx.utils import tree_flatten
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import can_batch_prompts
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.memory import weights_bytes
+from mlxd.engine.prompts import can_batch_prompts
 from mlxd.engine.row import Row
 from mlxd.engine.vision import VisionPrefill
 from tests.test_batched_engine import collect_tokens

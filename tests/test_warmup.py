@@ -15,7 +15,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import DecodeBatch, process_prompt
+from mlxd.engine.batch import DecodeBatch
+from mlxd.engine.prompts import process_prompt
 from mlxd.engine.row import Row
 from mlxd.engine.warmup import warm_up_shapes
 

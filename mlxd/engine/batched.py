@@ -34,8 +34,13 @@ from mlxd.engine.base import (
     SamplingParams,
     Speculative,
 )
-from mlxd.engine.batch import (
-    DecodeBatch,
+from mlxd.engine.batch import DecodeBatch
+from mlxd.engine.drafters.base import Drafter
+from mlxd.engine.front import Submitted
+from mlxd.engine.intake import Intake
+from mlxd.engine.memory import measure_memory
+from mlxd.engine.prefix import is_trimmable
+from mlxd.engine.prompts import (
     can_batch_prompts,
     can_batch_vision_prompts,
     can_continue_together,
@@ -44,11 +49,6 @@ from mlxd.engine.batch import (
     process_prompts,
     process_vision_prompts,
 )
-from mlxd.engine.drafters.base import Drafter
-from mlxd.engine.front import Submitted
-from mlxd.engine.intake import Intake
-from mlxd.engine.memory import measure_memory
-from mlxd.engine.prefix import is_trimmable
 from mlxd.engine.row import Refused, Row, check_request, logits_width, make_request_cache, reset_random_state
 from mlxd.engine.sampling import make_request_sampler
 from mlxd.engine.scheduler import SequenceState, StepPlan, prompts_to_batch
