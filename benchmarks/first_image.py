@@ -4,7 +4,8 @@ For each server (this tree's mlxd, optionally another mlxd source tree as a base
 ``[vision] warm_up_image_sizes``), round after round: start
 a fresh process, wait for ``/health`` 200 (the seconds it took are the start-up cost), then send two image requests
 one after the other, each with an image the server has not seen, and record their times to first token. With no
-stall the first equals the second.
+stall the first equals the second. Then each conversation's second turn (its answer and a new question: a
+prefix-cache hit), the first of which is the first such turn of the process.
 
     python benchmarks/first_image.py --model ../models/qwen2_5_vl_7b --baseline-mlxd ../base --rounds 2 \\
         --out docs/benchmarks/x.md
@@ -36,9 +37,15 @@ def one_start(label: str, args, tmp: Path, env: dict | None, round_: int, sizes:
     started = time.perf_counter()
     with loadgen.serve(spec.command, port, tmp / f"{label}-{round_}.log", spec.health, {**OFFLINE, **(env or {})}):
         ready = time.perf_counter() - started
-        ttfts = [chat(port, spec.model, [image_turn("What is in this picture?", 1000 * round_ + i, args.image_size)],
-                      8).ttft for i in range(2)]
-    line = f"| {label} | {round_ + 1} | {ready:.1f} | {ttfts[0]:.3f} | {ttfts[1]:.3f} | {ttfts[0] / ttfts[1]:.2f} |"
+        turns = [[image_turn("What is in this picture?", 1000 * round_ + i, args.image_size)] for i in range(2)]
+        firsts = [chat(port, spec.model, turn, 8) for turn in turns]
+        seconds = [chat(port, spec.model, [*turn, {"role": "assistant", "content": "".join(first.text)},
+                                           {"role": "user", "content": "And what colours are in it?"}], 8)
+                   for turn, first in zip(turns, firsts, strict=True)]
+    ttfts = [s.ttft for s in firsts]
+    again = [s.ttft for s in seconds]
+    line = (f"| {label} | {round_ + 1} | {ready:.1f} | {ttfts[0]:.3f} | {ttfts[1]:.3f} | {ttfts[0] / ttfts[1]:.2f} "
+            f"| {again[0]:.3f} ({seconds[0].cached}) | {again[1]:.3f} ({seconds[1].cached}) |")
     print(line, flush=True)  # noqa: T201 - progress
     return line
 
@@ -62,8 +69,9 @@ def main() -> None:
     if args.warm_up_sizes:
         servers.append((f"mlxd, warm-up sizes {args.warm_up_sizes}", None, args.warm_up_sizes))
     lines = [f"Model: `{args.model}`; images {args.image_size} px, 8 tokens a request, greedy.", "",
-             "| server | start | seconds to ready | first image TTFT (s) | second image TTFT (s) | first / second |",
-             "|---|---|---|---|---|---|"]
+             "| server | start | seconds to ready | first image TTFT (s) | second image TTFT (s) | first / second "
+             "| first conversation's turn 2 TTFT (s) (cached tokens) | second conversation's turn 2 |",
+             "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for label, env, sizes in servers if round_ % 2 == 0 else servers[::-1]:

@@ -164,11 +164,11 @@ class Daemon:
 
         for size in self.config.vision.warm_up_image_sizes:
             try:
-                seconds = warm_up_image(self.pipeline, self.name, size)
+                seconds, cached = warm_up_image(self.pipeline, self.name, size)
             except MlxdError as e:
                 log.warning("image_warm_up_failed", size=size, error=e.message)
                 return
-            log.info("image_warm_up", size=size, seconds=round(seconds, 2))
+            log.info("image_warm_up", size=size, seconds=round(seconds, 2), turn_2_cached_tokens=cached)
 
     def close(self) -> None:
         """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""

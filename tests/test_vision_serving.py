@@ -4,6 +4,8 @@ whole."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import app_client, sse_events, streamed_text, write_config
@@ -178,6 +180,10 @@ def test_warm_up_sends_one_image_of_each_configured_size(tiny_vlm, tmp_path, cap
         assert vision_status(client)["num_vision_calls"] == expected
     logged = [line for line in capsys.readouterr().out.splitlines() if "image_warm_up " in line]
     assert len(logged) == expected and all(f"size={n}" in "".join(logged) for n in sizes.strip("[]").split(", ") if n)
+    # Each size's second turn starts from the first turn's cached state (a vision row continuing from the prefix
+    # cache), and finds the image in the feature cache: one tower run per size.
+    cached = [int(re.search(r"turn_2_cached_tokens=(\d+)", line).group(1)) for line in logged]
+    assert all(n >= 32 for n in cached), logged
 
 
 def test_a_config_that_refuses_images_still_starts_and_serves_text(tiny_vlm, tmp_path, capsys):
