@@ -157,7 +157,7 @@ class Daemon:
             log.warning("reference_blas", message=warning)
 
     def _warm_up_images(self) -> None:
-        """One image request per ``[vision] warm_up_image_sizes`` through the pipeline
+        """One image request and its second turn per ``[vision] warm_up_image_sizes`` through the pipeline
         (:mod:`mlxd.pipeline.image_warmup`); a model or a config that cannot take them is logged, not fatal: text
         is still served."""
         from mlxd.pipeline.image_warmup import warm_up_image
