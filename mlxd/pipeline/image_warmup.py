@@ -13,9 +13,9 @@ vision counters.
 
 Each size also sends the conversation's second turn, which starts from the first turn's cached state: a vision
 row continuing a prompt from the prefix cache, through the language model with image embeddings at a cache offset,
-is a kind of pass the first turn does not run. On an H100 (random Qwen2.5-VL-7B shape, four starts each) the first
-second turn after a start took 0.068-0.090 s to its first token with this, 0.115-0.157 s without, and the first
-image request 0.216-0.271 s against 0.278-0.302 s (``benchmarks/first_image.py``, ``docs/benchmarks/vision.md``);
+is a kind of pass the first turn does not run. On an H100 (random Qwen2.5-VL-7B shape, four starts each) a user's
+first second turn after a start took 0.068-0.090 s to its first token with this, 0.115-0.157 s without, and the
+first image request 0.216-0.271 s against 0.278-0.302 s (``benchmarks/first_image.py``, ``docs/benchmarks/vision.md``);
 the time to ready did not grow. The image is in the feature cache by then, so the second turn runs no vision tower.
 """
 
