@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dispatch_costs import emit  # noqa: E402
-from load import model_folder  # noqa: E402
+from load import model_folder, story_prompt  # noqa: E402
 
 
 def one_start(path: str, streams: int, passes: int, max_tokens: int) -> None:
@@ -50,13 +50,7 @@ def one_start(path: str, streams: int, passes: int, max_tokens: int) -> None:
 
 def prompts(tokenizer, index: int, streams: int) -> list[list[int]]:
     """``streams`` prompts no other pass uses (the form ``load.py`` uses)."""
-    out = []
-    for i in range(streams):
-        j = index * streams + i
-        tags = " ".join(f"t{(j * 37 + k * 11) % 997 + 3}" for k in range(8))
-        out.append(tokenizer.encode(f"Request {j}: tell me a long story about the sea, the stars and the number "
-                                    f"{j * 7}. {tags}"))
-    return out
+    return [tokenizer.encode(story_prompt(index * streams + i)) for i in range(streams)]
 
 
 def main() -> None:

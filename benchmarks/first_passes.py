@@ -38,11 +38,6 @@ HEADER = ["| start | pass | prompt words | tok/s | TTFT p50 (s) | kernels compil
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
-def prompt(i: int, words: int) -> str:
-    tags = " ".join(f"t{(i * 37 + k * 11) % 997 + 3}" for k in range(words))
-    return f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}. {tags}"
-
-
 def engine_totals(port: int) -> dict:
     """The engine's summed step time by phase (ms), its step count, and the collector's counters."""
     status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=30).read())
@@ -63,7 +58,7 @@ def one_start(start: int, args, model: str, tmp: Path) -> list[str]:
         seen, before = files(), engine_totals(port)
         plan = [args.words] * args.passes + [args.long_words] * args.long_passes
         for number, words in enumerate(plan, 1):
-            prompts = [prompt(offset + i, words) for i in range(args.streams)]
+            prompts = [loadgen.story_prompt(offset + i, words) for i in range(args.streams)]
             offset += args.streams
             result = asyncio.run(loadgen.http_load("mlxd", port, "bench", prompts, args.max_tokens))
             time.sleep(0.2)  # the last request's bookkeeping

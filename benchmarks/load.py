@@ -55,6 +55,13 @@ class Result:
 
 # ---- prompts ----
 
+def story_prompt(i: int, words: int = 8) -> str:
+    """The ``i``-th prompt of the benchmarks: distinct for every ``i``, also under word-level tokenizers (the "t123"
+    words; benchmarks/random_model.py)."""
+    tags = " ".join(f"t{(i * 37 + k * 11) % 997 + 3}" for k in range(words))
+    return f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}. {tags}"
+
+
 def pick_prompts(model, tokenizer, count: int, max_tokens: int) -> list[str]:
     """Distinct prompts whose greedy continuation runs ``max_tokens`` without an end-of-sequence token."""
     import mlx.core as mx
@@ -63,9 +70,7 @@ def pick_prompts(model, tokenizer, count: int, max_tokens: int) -> list[str]:
     eos = set(tokenizer.eos_token_ids)
     prompts, i = [], 0
     while len(prompts) < count:
-        # Words like "t123" make prompts distinct under word-level tokenizers too (benchmarks/random_model.py).
-        tags = " ".join(f"t{(i * 37 + k * 11) % 997 + 3}" for k in range(8))
-        prompt = f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}. {tags}"
+        prompt = story_prompt(i)
         i += 1
         tokens = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens)]
         if not eos & set(tokens):
