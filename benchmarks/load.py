@@ -316,12 +316,38 @@ def ratios(results: list[Result]) -> str:
         if batch and ours:
             lines.append(f"- mlxd, {level} streams through HTTP: {ours / batch:.0%} of BatchGenerator at {level} "
                          "(target ≥ 85% at 8 and 16)")
-    for other in ("mlxd baseline (HTTP)", "mlx_lm.server (HTTP)"):
+    for other in ("mlxd baseline (HTTP)", "mlx_lm.server (HTTP)", "vllm-mlx (HTTP)"):
         for level in sorted({r.concurrency for r in results}):
             theirs, ours = rate(other, level), rate("mlxd (HTTP)", level)
             if theirs and ours:
                 lines.append(f"- mlxd / {other.replace(' (HTTP)', '')}, {level} stream(s): {ours / theirs:.2f}x")
     return "\n".join(lines)
+
+
+def round_ratios(rounds: list[list[Result]]) -> str:
+    """mlxd against each other engine, round by round: the runs of one round and level follow each other within
+    seconds, so their ratio is spared the host's slower swings (``docs/benchmarks/engine.md``). Per level: every
+    round's ratio, their median, and in how many rounds mlxd was at least 1.3x ahead."""
+    ours = "mlxd (HTTP)"
+    others = [label for label in _LABELS if label != ours and any(r.label == label for runs in rounds for r in runs)]
+    lines = ["mlxd / each engine, round by round (aggregate tok/s of runs in the same round):", "",
+             "| against | streams | every round | median | rounds ≥ 1.3x |", "|---|---|---|---|---|"]
+    levels = sorted({r.concurrency for runs in rounds for r in runs if r.label == ours})
+    for other in others:
+        for level in levels:
+            if other == "mlx-lm generate_step" and level != 1:
+                continue
+            pairs = [(_rate(runs, ours, level), _rate(runs, other, level)) for runs in rounds]
+            values = [a / b for a, b in pairs if a and b]
+            if values:
+                lines.append(f"| {other.replace(' (HTTP)', '')} | {level} | "
+                             f"{', '.join(f'{v:.2f}x' for v in values)} | {statistics.median(values):.2f}x | "
+                             f"{sum(v >= 1.3 for v in values)} of {len(values)} |")
+    return "\n".join(lines) if len(lines) > 4 else ""
+
+
+def _rate(runs: list[Result], label: str, level: int) -> float | None:
+    return next((r.tokens_per_s for r in runs if r.label == label and r.concurrency == level), None)
 
 
 def model_folder(model: str | None, tiny: str | None, root: Path | None = None) -> str:
@@ -376,12 +402,13 @@ def main() -> None:
     # The rounds' prompts, then those of the first and the second pass after ready (mlxd servers only).
     num_prompts = max(levels) * (3 if "mlxd" in args.servers.split(",") or args.baseline_mlxd else 1)
     prompts = pick_prompts(model, tokenizer, num_prompts, args.max_tokens)
-    results, passes = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
+    results, passes, rounds = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
     report = "\n\n".join([
         f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} interleaved "
         "rounds.",
         table(results),
         ratios(results),
+        round_ratios(rounds),
         *([first_pass_report(passes)] if passes else []),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(args.vllm_python).items()),
     ])
@@ -391,9 +418,10 @@ def main() -> None:
 
 
 def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: Path,
-            logs: Path) -> tuple[list[Result], list[FirstPass]]:
+            logs: Path) -> tuple[list[Result], list[FirstPass], list[list[Result]]]:
     """Every engine at every level, round after round, interleaved: noise on a shared machine then hits all of
-    them alike instead of whichever happened to run during it. The best run of each point is kept.
+    them alike instead of whichever happened to run during it. Returns the best run of each point, the first
+    passes, and every round's runs.
 
     Each mlxd server first serves its first and second pass at the highest level, as soon as it is ready and
     before the next server starts (``prompts`` beyond the rounds' own are theirs)."""
@@ -413,24 +441,28 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
             for label, port, name in servers:
                 asyncio.run(http_load(label, port, name, prompts[:level], 8))
         best: dict[tuple[str, int], Result] = {}
+        rounds: list[list[Result]] = []
         for _ in range(args.repeats):
             runs = [direct_generate_step(model, tokenizer, prompts[0], args.max_tokens)]
             for level in levels:
                 runs.append(direct_batch_generator(model, tokenizer, prompts[:level], args.max_tokens))
                 runs += [asyncio.run(http_load(label, port, name, prompts[:level], args.max_tokens))
                          for label, port, name in servers]
+            rounds.append(runs)
             for run in runs:
                 key = (run.label, run.concurrency)
                 if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                     best[key] = run
             print(table(sorted(best.values(), key=_order)), flush=True)
-    return sorted(best.values(), key=_order), passes
+    return sorted(best.values(), key=_order), passes, rounds
+
+
+_LABELS = ["mlx-lm generate_step", "mlx-lm BatchGenerator", "mlxd (HTTP)", "mlxd baseline (HTTP)",
+           "mlx_lm.server (HTTP)", "vllm-mlx (HTTP)"]
 
 
 def _order(result: Result) -> tuple[int, int]:
-    labels = ["mlx-lm generate_step", "mlx-lm BatchGenerator", "mlxd (HTTP)", "mlxd baseline (HTTP)",
-              "mlx_lm.server (HTTP)", "vllm-mlx (HTTP)"]
-    return labels.index(result.label), result.concurrency
+    return _LABELS.index(result.label), result.concurrency
 
 
 if __name__ == "__main__":
