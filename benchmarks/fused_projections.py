@@ -26,6 +26,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from dispatch_costs import emit  # noqa: E402
 from load import model_folder, story_prompt  # noqa: E402
+from step_breakdown import joined_batch  # noqa: E402
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -104,18 +105,8 @@ def fuse(model: nn.Module) -> int:
 
 def decode_ms(model, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
     """Milliseconds a step of mlxd's DecodeBatch alone, and each row's greedy tokens."""
-    from mlxd.engine.base import SamplingParams
-    from mlxd.engine.batch import DecodeBatch
-    from mlxd.engine.prompts import process_prompt, process_prompts
-    from mlxd.engine.row import Row
-
-    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
-    batch = DecodeBatch(model)
-    if len(rows) == 1:
-        batch.add(rows[0], process_prompt(model, rows[0], prompts[0], last=True))
-    else:
-        batch.add_batch(rows, *process_prompts(model, rows, prompts))
-    tokens = [[] for _ in rows]
+    batch = joined_batch(model, prompts)
+    tokens = [[] for _ in prompts]
     batch.step()
     start = time.perf_counter()
     for _ in range(steps):

@@ -94,6 +94,16 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
     """Milliseconds per step of mlxd's decode batch (:class:`~mlxd.engine.batch.DecodeBatch`) driven in a loop on
     this thread, greedy rows joined through one prompt pass as the engine joins them: the batch step with no
     engine thread, scheduler, event queue or client around it."""
+    batch = joined_batch(model, prompts)
+    batch.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        batch.step()
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def joined_batch(model, prompts: list[list[int]]):
+    """mlxd's decode batch with one greedy row per prompt, joined through one prompt pass as the engine joins them."""
     from mlxd.engine.base import SamplingParams
     from mlxd.engine.batch import DecodeBatch
     from mlxd.engine.prompts import process_prompt, process_prompts
@@ -105,11 +115,7 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
         batch.add(rows[0], process_prompt(model, rows[0], prompts[0], last=True))
     else:
         batch.add_batch(rows, *process_prompts(model, rows, prompts))
-    batch.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        batch.step()
-    return (time.perf_counter() - start) / steps * 1000
+    return batch
 
 
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:
