@@ -38,7 +38,7 @@ class Group:
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.weight = mx.concatenate([linear.weight for linear in linears])
         self.bias = mx.concatenate([linear.bias for linear in linears]) if "bias" in linears[0] else None
-        mx.eval(self.weight, self.bias) if self.bias is not None else mx.eval(self.weight)
+        mx.eval([a for a in (self.weight, self.bias) if a is not None])
         sizes = [linear.weight.shape[0] for linear in linears]
         self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.size = len(linears)
@@ -131,7 +131,7 @@ def main() -> None:
 
     path = model_folder(args.model, args.tiny)
     plain, fused = load(ModelConfig(source=path)), load(ModelConfig(source=path))
-    groups = fuse(fused.model.model if hasattr(fused.model, "model") else fused.model)
+    groups = fuse(fused.model)
     levels = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     same = {}

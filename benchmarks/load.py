@@ -304,7 +304,7 @@ def first_pass_report(passes: list[FirstPass]) -> str:
 
 def ratios(results: list[Result]) -> str:
     def rate(label: str, level: int) -> float | None:
-        return next((r.tokens_per_s for r in results if r.label == label and r.concurrency == level), None)
+        return _rate(results, label, level)
 
     lines = []
     solo = rate("mlx-lm generate_step", 1)
@@ -335,8 +335,6 @@ def round_ratios(rounds: list[list[Result]]) -> str:
     levels = sorted({r.concurrency for runs in rounds for r in runs if r.label == ours})
     for other in others:
         for level in levels:
-            if other == "mlx-lm generate_step" and level != 1:
-                continue
             pairs = [(_rate(runs, ours, level), _rate(runs, other, level)) for runs in rounds]
             values = [a / b for a, b in pairs if a and b]
             if values:
