@@ -172,7 +172,7 @@ def _use_small_batch_kernel(model: Any) -> None:
 
 def _use_segment_attention(model: Any) -> None:
     """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`),
-    over the cores on the CPU (:mod:`mlxd.models.cpu_attention`)."""
+    on the CPU computed by numpy in cache-sized blocks (:mod:`mlxd.models.cpu_attention`)."""
     from mlxd.models.tower_attention import use_segment_attention
 
     swapped = use_segment_attention(model.vlm, model.family)
