@@ -372,6 +372,7 @@ class Server:
     command: list[str]
     health: str
     model: str  # what requests put in "model"
+    env: dict[str, str] = field(default_factory=dict)  # beyond OFFLINE
 
 
 def mlxd_server(name: str, model_path: str, tmp: Path, kind: str = "auto", log_level: str = "warning",
@@ -402,9 +403,15 @@ def server_specs(args, tmp: Path) -> list[Server]:
             specs.append(mlxd_server(name, args.model, tmp, "text" if name == "mlxd_text" else "auto",
                                      args.server_log_level, args.mlxd_engine))
         elif name == "mlxd_alt":
-            specs.append(mlxd_server(name, args.model, tmp, "auto", args.server_log_level,
-                                     "\n".join(filter(None, [args.mlxd_engine, args.alt_engine]))))
-            LABELS[name] = f"mlxd, {args.alt_engine}"
+            spec = mlxd_server(name, args.model, tmp, "auto", args.server_log_level,
+                               "\n".join(filter(None, [args.mlxd_engine, args.alt_engine])))
+            LABELS[name] = f"mlxd, {args.alt_engine}" if args.alt_engine else "mlxd, alt"
+            if args.baseline_mlxd:  # another source tree; PYTHONSAFEPATH keeps the working directory's mlxd out
+                tree = Path(args.baseline_mlxd).resolve()
+                spec.env.update(PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+                                PYTHONSAFEPATH="1")
+                LABELS[name] = f"mlxd baseline ({tree.name}{', ' + args.alt_engine if args.alt_engine else ''})"
+            specs.append(spec)
         elif name == "mlx_vlm":
             specs.append(mlx_vlm_server(args.model))
         else:
@@ -421,7 +428,7 @@ def start_servers(stack: contextlib.ExitStack, specs: list[Server], logs: Path,
         port = loadgen.port_of(spec.command)
         try:
             procs[spec.name] = stack.enter_context(
-                loadgen.serve(spec.command, port, logs / f"{spec.name}.log", spec.health, OFFLINE))
+                loadgen.serve(spec.command, port, logs / f"{spec.name}.log", spec.health, {**OFFLINE, **spec.env}))
         except RuntimeError as e:
             errors[spec.name] = str(e)
             print(f"{spec.name} did not start: {e}", flush=True)
@@ -521,7 +528,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", help="build mlxd's tiny random-weight VLM of this family instead (qwen2_5_vl, "
                                        "qwen3_vl, gemma3, idefics3)")
     parser.add_argument("--servers", default="mlxd,mlx_vlm,mlxd_text",
-                        help="comma list: mlxd, mlx_vlm, mlxd_text, mlxd_alt (mlxd with --alt-engine)")
+                        help="comma list: mlxd, mlx_vlm, mlxd_text, mlxd_alt (mlxd with --alt-engine, or from "
+                             "--baseline-mlxd)")
+    parser.add_argument("--baseline-mlxd", help="serve mlxd_alt from another mlxd source tree (e.g. `git worktree "
+                                                "add ../base HEAD~1`), side by side with this one")
     parser.add_argument("--alt-engine", default="", help="[engine] settings of mlxd_alt, e.g. 'step_token_budget = 2048'")
     parser.add_argument("--mlxd-engine", default="",
                         help="[engine] settings of every mlxd server, e.g. 'memory_limit_bytes = 28000000000' when "
