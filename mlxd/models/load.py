@@ -172,12 +172,21 @@ def _use_small_batch_kernel(model: Any) -> None:
 
 def _use_segment_attention(model: Any) -> None:
     """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`),
-    on the CPU computed by numpy in cache-sized blocks (:mod:`mlxd.models.cpu_attention`)."""
+    on the CPU computed by numpy in cache-sized blocks (:mod:`mlxd.models.cpu_attention`); on the CPU, SigLIP-style
+    towers' attention too (:mod:`mlxd.models.vision_attention`)."""
+    import mlx.core as mx
+
     from mlxd.models.tower_attention import use_segment_attention
 
     swapped = use_segment_attention(model.vlm, model.family)
     if swapped:
         log.info("segment_attention", layers=swapped)
+    if mx.default_device() == mx.cpu:
+        from mlxd.models.vision_attention import use_cpu_vision_attention
+
+        swapped = use_cpu_vision_attention(model.vlm)
+        if swapped:
+            log.info("cpu_vision_attention", layers=swapped)
 
 
 def shard(model: Any, group: Any) -> None:
