@@ -21,7 +21,7 @@ def attention(dims: int = 32, heads: int = 4) -> VisionAttention:
     return module
 
 
-@pytest.mark.parametrize("mask_kind", [None, "keys", "additive"])
+@pytest.mark.parametrize("mask_kind", [None, "keys", "additive", "causal"])
 def test_module_equals_mlx_vlm_attention(mask_kind):
     theirs = attention()
     ours = CpuVisionAttention(theirs)
@@ -29,6 +29,8 @@ def test_module_equals_mlx_vlm_attention(mask_kind):
     mask = None
     if mask_kind == "keys":  # the second image's last 6 patches are padding
         mask = mx.array(np.arange(20)[None, :] < np.array([20, 14])[:, None])[:, None, None, :]
+    elif mask_kind == "causal":
+        mask = "causal"
     elif mask_kind == "additive":
         mask = mx.array(np.where(np.arange(20)[None, :] < np.array([20, 14])[:, None], 0.0, -1e9)
                         .astype(np.float32))[:, None, None, :]

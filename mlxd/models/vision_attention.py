@@ -22,8 +22,8 @@ from mlxd.models.cpu_attention import cpu_attention
 
 
 class CpuVisionAttention(nn.Module):
-    """A ``VisionAttention``'s layers and arithmetic, its attention computed by :func:`cpu_attention`. A mask that is
-    not boolean (additive) goes to MLX's own attention, which takes it."""
+    """A ``VisionAttention``'s layers and arithmetic, its attention computed by :func:`cpu_attention`. Any other mask
+    than a boolean array (additive values, ``"causal"``) goes to MLX's own attention, which takes it."""
 
     def __init__(self, attention: VisionAttention) -> None:
         super().__init__()
@@ -33,11 +33,11 @@ class CpuVisionAttention(nn.Module):
         object.__setattr__(self, "num_heads", attention.num_heads)
         object.__setattr__(self, "scale", attention.scale)
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | str | None = None) -> mx.array:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         batch, length, _ = q.shape
         q, k, v = (t.reshape(batch, t.shape[1], self.num_heads, -1).transpose(0, 2, 1, 3) for t in (q, k, v))
-        if mask is None or mask.dtype == mx.bool_:
+        if mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_):
             out = cpu_attention(q, k, v, self.scale, mask)
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
