@@ -25,13 +25,10 @@ from dispatch_costs import emit  # noqa: E402
 from mlxd.models.cpu_attention import cpu_attention  # noqa: E402
 
 
-def seconds(run, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run())
-        times.append(time.perf_counter() - start)
-    return times
+def seconds(run) -> float:
+    start = time.perf_counter()
+    mx.eval(run())
+    return time.perf_counter() - start
 
 
 def compare(shape: str, rounds: int) -> str:
@@ -44,7 +41,7 @@ def compare(shape: str, rounds: int) -> str:
     times: dict[str, list[float]] = {"mlx": [], "ours": []}
     for round_ in range(rounds):
         for name in (("mlx", "ours") if round_ % 2 == 0 else ("ours", "mlx")):
-            times[name] += seconds(calls[name], 1)
+            times[name].append(seconds(calls[name]))
     diff = float(mx.abs(calls["mlx"]() - calls["ours"]()).max())
     mlx_ms, ours_ms = (1000 * statistics.median(times[n]) for n in ("mlx", "ours"))
     return f"| {shape} | {mlx_ms:.1f} | {ours_ms:.1f} | {mlx_ms / ours_ms:.2f}x | {diff:.1e} |"

@@ -78,3 +78,11 @@ def test_blocks_cover_every_row_once(monkeypatch):
         seen[slices, rows] += 1
         assert seen[slices, rows].size * 30 <= 100 or seen[slices, rows].shape[-1] == 1
     assert (seen == 1).all()
+
+
+def test_one_dimensional_keys_mask():
+    """A (L,) mask, broadcastable like any other: the same keys for every slice and query row."""
+    q, k, v = qkv(2, 2, 12, 8, seed=13)
+    mask = mx.array(np.arange(12) < 9)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
+    np.testing.assert_allclose(np.array(cpu_attention(q, k, v, 0.5, mask)), np.array(want), rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ BLOCK_SCORES = 1 << 18  # float32 scores computed at once: 1 MiB, about a core's
 def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
     """``softmax(q kᵀ · scale) v`` over (B, H, L, D) ``q``, ``k``, ``v``; ``mask`` is None or boolean (True: attend),
     broadcastable to (B, H, L, L) (a keys mask is (B, 1, 1, L)). Computed in float32; returned in ``q``'s dtype."""
-    batch, heads, length, dim = q.shape
+    batch, heads, length, _ = q.shape
     keys = k.shape[2]
     count = batch * heads
     mx.eval(q, k, v, *(() if mask is None else (mask,)))
@@ -38,8 +38,8 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
     qs = qs * np.float32(scale)
     allowed = None
     if mask is not None:
-        rows = mask.shape[-2]
-        allowed = np.broadcast_to(np.asarray(mask), (batch, heads, rows, keys)).reshape(count, rows, keys)
+        mask_rows = mask.shape[-2] if mask.ndim > 1 else 1  # 1: the same keys for every query row
+        allowed = np.broadcast_to(np.asarray(mask), (batch, heads, mask_rows, keys)).reshape(count, mask_rows, keys)
     out = np.empty((count, length, vs.shape[-1]), np.float32)
     for slices, rows in _blocks(count, length, keys):
         block_mask = None

@@ -139,7 +139,7 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
         if twin is not None:
             model.attach_text_twin(twin)
     if kind == "vision":
-        _use_segment_attention(model)
+        _use_tower_attention(model)
     if group is not None:
         shard(model, group)
     if dtype is not None or group is not None:
@@ -170,7 +170,7 @@ def _use_small_batch_kernel(model: Any) -> None:
     log.info("small_batch_kernel", layers=use_small_batch_kernel(model))
 
 
-def _use_segment_attention(model: Any) -> None:
+def _use_tower_attention(model: Any) -> None:
     """Qwen-VL vision towers: one attention call a layer, not one per window (:mod:`mlxd.models.tower_attention`),
     on the CPU computed by numpy in cache-sized blocks (:mod:`mlxd.models.cpu_attention`); on the CPU, SigLIP-style
     towers' attention too (:mod:`mlxd.models.vision_attention`)."""
