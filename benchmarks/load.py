@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -36,13 +37,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass
+@dataclasses.dataclass
 class Result:
     label: str
     concurrency: int
@@ -51,6 +51,9 @@ class Result:
     itl_ms: float | None
     tokens_per_s: float
     ttft_p50_s: float | None = None
+    spread_s: float | None = None  # last stream's first token - first stream's first token
+    gap_p90_ms: float | None = None
+    gap_max_ms: float | None = None
 
 
 # ---- prompts ----
@@ -146,12 +149,14 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
     first = min(t[0] for _, t, _ in runs if t)
     last = max(t[-1] for _, t, _ in runs if t)
     ttfts = [t[0] - s for s, t, _ in runs if t]
-    itl = statistics.median(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
-    return Result(label, len(prompts), tokens, statistics.mean(ttfts), itl * 1000, tokens / (last - first),
-                  statistics.median(ttfts))
+    gaps = sorted(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
+    return Result(label, len(prompts), tokens, statistics.mean(ttfts), statistics.median(gaps) * 1000,
+                  tokens / (last - first), statistics.median(ttfts),
+                  max(t[0] for _, t, _ in runs if t) - min(t[0] for _, t, _ in runs if t),
+                  gaps[int(0.9 * (len(gaps) - 1))] * 1000, gaps[-1] * 1000)
 
 
-@dataclass
+@dataclasses.dataclass
 class FirstPass:
     """The first pass at one concurrency right after a server reported ready, and the pass that followed it."""
 
@@ -279,11 +284,14 @@ def versions(vllm_python: str | None) -> dict[str, str]:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| engine | streams | tokens | TTFT (s) | median ITL (ms) | aggregate tok/s |", "|---|---|---|---|---|---|"]
+    lines = ["| engine | streams | tokens | TTFT (s) | first tokens spread (s) | ITL median / p90 / max (ms) | "
+             "aggregate tok/s |", "|---|---|---|---|---|---|---|"]
     for r in results:
         ttft = f"{r.ttft_s:.3f}" if r.ttft_s is not None else "–"
-        itl = f"{r.itl_ms:.2f}" if r.itl_ms is not None else "–"
-        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens} | {ttft} | {itl} | {r.tokens_per_s:.0f} |")
+        spread = f"{r.spread_s:.3f}" if r.spread_s is not None else "–"
+        itl = " / ".join(f"{v:.2f}" for v in (r.itl_ms, r.gap_p90_ms, r.gap_max_ms) if v is not None) or "–"
+        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens} | {ttft} | {spread} | {itl} | "
+                     f"{r.tokens_per_s:.0f} |")
     return "\n".join(lines)
 
 
@@ -381,6 +389,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-mlx (for --servers ...,vllm_mlx)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
+    parser.add_argument("--rounds-json", type=Path, help="also write every round's runs here (JSON)")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     parser.add_argument("--baseline-mlxd", help="another mlxd source tree (e.g. `git worktree add ../base HEAD~3`), "
                                                "served side by side as 'mlxd baseline'")
@@ -412,6 +421,8 @@ def main() -> None:
     ])
     if args.out:
         Path(args.out).write_text(report + "\n")
+    if args.rounds_json:
+        args.rounds_json.write_text(json.dumps([[dataclasses.asdict(r) for r in runs] for runs in rounds], indent=1))
     print(report)
 
 
