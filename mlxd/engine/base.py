@@ -7,6 +7,7 @@ touching the pipeline. Nothing here imports MLX: engines do, on their own thread
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -142,20 +143,28 @@ EngineEvent = Token | Finished | Failed | Progress
 class RequestHandle:
     """The event-loop side of one submitted request.
 
-    The engine thread calls :meth:`push`; the event loop iterates the handle. :meth:`cancel` asks the engine
-    (on its own thread) to abort the request and release its memory.
+    The engine thread calls :meth:`push` (or :meth:`push_all`); the event loop iterates :meth:`events`. :meth:`cancel`
+    asks the engine (on its own thread) to abort the request and release its memory.
+
+    Events wait in a deque; a stream waiting for the next one awaits one future. The keepalive timer is not made and
+    cancelled for every event: it is armed when a wait starts with none armed, and when it fires during a wait that
+    began later, it re-arms itself for the rest of that wait. A stream of tokens then costs the event loop one timer
+    per ``keepalive_s``, not one per token.
     """
 
     def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._events: deque[EngineEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # what a stream waiting for an event awaits
+        self._waiting_since = 0.0  # loop time the current wait began
+        self._timer: asyncio.TimerHandle | None = None  # the keepalive timer, armed while a stream may wait
         self.done = False
 
     def push(self, event: EngineEvent) -> None:
         """Thread-safe: called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._loop.call_soon_threadsafe(self._deliver, event)
 
     @staticmethod
     def push_all(events: list[tuple[RequestHandle, EngineEvent]]) -> None:
@@ -165,9 +174,15 @@ class RequestHandle:
             by_loop.setdefault(handle._loop, []).append((handle, event))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_deliver_all, items)
             except RuntimeError:  # a closed event loop: nobody is listening to these requests any more
                 continue
+
+    def _deliver(self, event: EngineEvent) -> None:
+        """On the event loop: queue ``event`` and wake the stream waiting for it."""
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the request early: ``cancelled`` (the client went away) or ``stop`` (the pipeline has what it needs:
@@ -178,28 +193,51 @@ class RequestHandle:
 
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[EngineEvent | None]:
         """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""
-        while True:
-            if not self._queue.empty():  # a step's events arrive together: no timer for those
-                event = self._queue.get_nowait()
-            else:
-                try:
-                    # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation (a client gone) when
-                    # an event arrives at the same moment, and the request would run on unobserved.
-                    async with asyncio.timeout(keepalive_s):
-                        event = await self._queue.get()
-                except TimeoutError:
+        try:
+            while True:
+                if not self._events and not await self._wait(keepalive_s):
                     yield None
                     continue
-            if isinstance(event, Finished | Failed):
-                self.done = True
+                event = self._events.popleft()
+                if isinstance(event, Finished | Failed):
+                    self.done = True
+                    yield event
+                    return
                 yield event
-                return
-            yield event
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    async def _wait(self, keepalive_s: float | None) -> bool:
+        """Wait for an event: True once one is queued, False after ``keepalive_s`` of waiting without one. A plain
+        future is awaited, so a cancellation of the waiting task (the client gone) propagates as it should."""
+        self._waiter = waiter = self._loop.create_future()
+        self._waiting_since = self._loop.time()
+        if keepalive_s is not None and self._timer is None:
+            self._timer = self._loop.call_later(keepalive_s, self._check_silence, keepalive_s)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        return bool(self._events)
+
+    def _check_silence(self, keepalive_s: float) -> None:
+        """The keepalive timer: wake the waiting stream with nothing once it has waited ``keepalive_s``; if it
+        started waiting later than that (events came meanwhile), fire again when it will have."""
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # not waiting now: the next wait arms the timer
+        left = self._waiting_since + keepalive_s - self._loop.time()
+        if left > 0.001:
+            self._timer = self._loop.call_later(left, self._check_silence, keepalive_s)
+        else:
+            self._waiter.set_result(None)
 
 
-def _put_all(items: list[tuple[RequestHandle, EngineEvent]]) -> None:
+def _deliver_all(items: list[tuple[RequestHandle, EngineEvent]]) -> None:
     for handle, event in items:
-        handle._queue.put_nowait(event)
+        handle._deliver(event)
 
 
 class Engine(Protocol):
