@@ -31,6 +31,8 @@ class StopCutter:
 
     def feed(self, segment: str) -> tuple[str, str | None]:
         """Add text; return (text safe to emit now, the stop sequence hit or None)."""
+        if not self.stops:  # nothing to find or hold back: the text passes through (not kept)
+            return segment, None
         start = max(0, self.emitted - max((len(s) for s in self.stops), default=0))
         self.text += segment
         hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
@@ -40,7 +42,7 @@ class StopCutter:
         return self._emit_until(len(self.text) - self._held_back()), None
 
     def flush(self) -> str:
-        return self._emit_until(len(self.text))
+        return self._emit_until(len(self.text)) if self.stops else ""
 
     def _held_back(self) -> int:
         longest = 0
