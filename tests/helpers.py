@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -69,9 +70,23 @@ def app_client(config_path: Path) -> Iterator[tuple[TestClient, Daemon]]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for a server to bind soon, chosen below the kernel's range of ephemeral ports: a port the
+    kernel hands out (bind to 0) can be taken, before the server binds it, as the local end of some other test's
+    outgoing connection ("address already in use")."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux); 32768 elsewhere, under macOS's 49152 too."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 @contextlib.contextmanager
