@@ -152,7 +152,7 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
     gaps = sorted(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
     return Result(label, len(prompts), tokens, statistics.mean(ttfts), statistics.median(gaps) * 1000,
                   tokens / (last - first), statistics.median(ttfts),
-                  max(t[0] for _, t, _ in runs if t) - min(t[0] for _, t, _ in runs if t),
+                  max(t[0] for _, t, _ in runs if t) - first,
                   gaps[int(0.9 * (len(gaps) - 1))] * 1000, gaps[-1] * 1000)
 
 
@@ -234,12 +234,17 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
     if args.baseline_mlxd:  # another mlxd source tree (an earlier commit), served side by side with this one
         port = free_port()
         command = mlxd_command(args.model, port, tmp / "baseline", max_concurrency)
-        # PYTHONSAFEPATH: `python -m mlxd` would otherwise put the working directory (this checkout, when run from
-        # its root) ahead of PYTHONPATH, and serve this mlxd under the baseline's name.
-        env = {"PYTHONPATH": os.pathsep.join([str(Path(args.baseline_mlxd).resolve()), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONSAFEPATH": "1", **dict(item.split("=", 1) for item in args.baseline_env.split())}
+        env = {**tree_env(args.baseline_mlxd), **dict(item.split("=", 1) for item in args.baseline_env.split())}
         specs.append(("mlxd baseline (HTTP)", command, "/health", env))
     return specs
+
+
+def tree_env(tree: str) -> dict[str, str]:
+    """The environment that makes ``python -m mlxd`` serve the mlxd of another source tree. PYTHONSAFEPATH: the
+    working directory (this checkout, when run from its root) would otherwise come ahead of PYTHONPATH, and this
+    mlxd would be served under the other's name."""
+    return {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONSAFEPATH": "1"}
 
 
 def _named_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[str], str]]:

@@ -32,6 +32,7 @@ from load import (  # noqa: E402
     serve,
     story_prompt,
     stream_one,
+    tree_env,
     with_openblas,
 )
 
@@ -72,17 +73,14 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-loop-"))
     model = model_folder(args.model, None if args.model else args.tiny, tmp / "models")
-    trees = {"this tree": None, "baseline": str(Path(args.baseline_mlxd).resolve())}
+    trees = {"this tree": {}, "baseline": tree_env(args.baseline_mlxd)}  # name -> the server's environment
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for name, tree in trees.items():
-            port = free_port()
-            # PYTHONSAFEPATH: `python -m mlxd` would otherwise import this tree (the working directory) first.
-            env = {"PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]),
-                   "PYTHONSAFEPATH": "1"} if tree else {}
-            command = mlxd_command(model, port, tmp / name.replace(" ", "-"), args.streams)
-            proc = stack.enter_context(serve(command, port, tmp / f"{name.replace(' ', '-')}.log", "/health", env))
+        for name, env in trees.items():
+            port, folder = free_port(), tmp / name.replace(" ", "-")
+            command = mlxd_command(model, port, folder, args.streams)
+            proc = stack.enter_context(serve(command, port, folder / "server.log", "/health", env))
             asyncio.run(drive(port, args.streams, 16, 1.0))  # warm
             servers[name] = (proc.pid, port)
         for _ in range(args.rounds):
