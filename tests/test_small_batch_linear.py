@@ -101,12 +101,34 @@ def test_quantized_layers_are_left_alone():
                                              (151936, 4096)])
 def test_a_launch_covers_every_column_once(columns, k):
     launch = plan(mx.zeros((columns, k), dtype=mx.bfloat16), False)
-    template = dict(launch.template)
-    per_block = 8 * template["TILES"]
+    per_block = 8 * launch.tiles
     blocks = launch.grid[0] // launch.threadgroup[0]
-    assert launch.grid[0] % launch.threadgroup[0] == 0 and launch.threadgroup[0] == 32 * template["WARPS"]
+    assert launch.grid[0] % launch.threadgroup[0] == 0 and launch.threadgroup[0] == 32 * launch.warps
     assert blocks * per_block >= columns > (blocks - 1) * per_block
-    assert template["T"] == mx.bfloat16 and template["IS_BF16"] is True
+    assert launch.bf16 is True and launch.dtypes == [mx.bfloat16] and launch.variant == (False, True, launch.tiles,
+                                                                                          launch.warps)
+
+
+def test_every_kernel_variant_has_its_own_name_and_constants(monkeypatch):
+    """MLX keeps compiled kernels by name: two variants sharing one would run each other's code."""
+    from mlxd.runtime import small_batch
+
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kwargs: made.append(kwargs) or kwargs)
+    small_batch._kernel.cache_clear()
+    variants = [(bias, bf16, tiles, warps) for bias in (False, True) for bf16 in (False, True) for tiles in (2, 4)
+                for warps in (4, 8)]
+    try:
+        for variant in variants:
+            small_batch._kernel(*variant)
+    finally:
+        small_batch._kernel.cache_clear()
+    assert len({kernel["name"] for kernel in made}) == len(variants)
+    for (bias, bf16, tiles, warps), kernel in zip(variants, made, strict=True):
+        source = kernel["source"]
+        assert f"constexpr bool IS_BF16 = {str(bf16).lower()};" in source
+        assert f"constexpr int TILES = {tiles};" in source and f"constexpr int WARPS = {warps};" in source
+        assert ("bias[col]" in source) == bias and ("bias" in kernel["input_names"]) == bias
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -37,6 +37,10 @@ MAX_ROWS = 16
 CHUNK = 64  # K positions a warp takes at a time: 4 lanes x 16 values per weight row
 
 _HEADER = """
+// The element type a pointer parameter points to (the signature MLX writes names the inputs' types).
+template <typename P> struct pointee;
+template <typename U> struct pointee<const U*> { using type = U; };
+
 template <bool BF16>
 __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {
   if constexpr (BF16) {
@@ -139,14 +143,19 @@ _SOURCE = """
 
 
 @cache
-def _kernel(has_bias: bool) -> Any:
+def _kernel(has_bias: bool, bf16: bool, tiles: int, warps: int) -> Any:
+    """The kernel of one variant, its constants written into its source. MLX also takes them as ``template``
+    arguments of each call, but then formats them into the kernel's name and source on every call: 0.7 µs more a
+    call on an H100 (``benchmarks/kernel_call_cost.py``), 252 calls a decode step of Qwen3-8B. MLX keeps compiled
+    kernels by name, so every variant has its own."""
     import mlx.core as mx
 
-    inputs = ["x", "w", "bias"] if has_bias else ["x", "w"]
-    return mx.fast.cuda_kernel(name="mlxd_small_batch_matmul_bias" if has_bias else "mlxd_small_batch_matmul",
-                               input_names=inputs, output_names=["y"], header=_HEADER,
-                               source=_SOURCE.replace("ADD_BIAS", "sum += static_cast<float>(bias[col]);" if has_bias
-                                                      else ""))
+    constants = (f"  using T = typename pointee<decltype(x)>::type;\n  constexpr bool IS_BF16 = {str(bf16).lower()};\n"
+                 f"  constexpr int TILES = {tiles};\n  constexpr int WARPS = {warps};\n")
+    bias = "sum += static_cast<float>(bias[col]);" if has_bias else ""
+    name = f"mlxd_small_batch_matmul_{'bf16' if bf16 else 'f16'}_t{tiles}_w{warps}{'_bias' if has_bias else ''}"
+    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "bias"] if has_bias else ["x", "w"],
+                               output_names=["y"], header=_HEADER, source=constants + _SOURCE.replace("ADD_BIAS", bias))
 
 
 def fits(weight: Any) -> bool:
@@ -170,10 +179,17 @@ class Launch:
     """What a call for one weight passes to the kernel, worked out once (a decode step makes hundreds of calls)."""
 
     has_bias: bool
-    template: list
+    bf16: bool
+    tiles: int
+    warps: int
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     columns: int
+    dtypes: list  # the output's dtype (the weight's), as the call takes it
+
+    @property
+    def variant(self) -> tuple[bool, bool, int, int]:
+        return self.has_bias, self.bf16, self.tiles, self.warps
 
 
 def plan(weight: Any, has_bias: bool, *, warps: int = 0, tiles: int = 0) -> Launch:
@@ -183,16 +199,15 @@ def plan(weight: Any, has_bias: bool, *, warps: int = 0, tiles: int = 0) -> Laun
     n, k = weight.shape
     warps, tiles = warps or shape_for(n, k)[0], tiles or shape_for(n, k)[1]
     blocks = -(-n // (8 * tiles))
-    template = [("T", weight.dtype), ("IS_BF16", weight.dtype == mx.bfloat16), ("TILES", tiles), ("WARPS", warps)]
-    return Launch(has_bias, template, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1), n)
+    return Launch(has_bias, weight.dtype == mx.bfloat16, tiles, warps, (blocks * warps * 32, 1, 1), (warps * 32, 1, 1),
+                  n, [weight.dtype])
 
 
 def run(launch: Launch, x: Any, weight: Any, bias: Any = None) -> Any:
     """``x @ weight.T (+ bias)`` for ``x`` of shape (..., K), 2 to ``MAX_ROWS`` rows, ``weight``'s dtype."""
     inputs = [x, weight] if bias is None else [x, weight, bias]
-    return _kernel(launch.has_bias)(inputs=inputs, template=launch.template, grid=launch.grid,
-                                    threadgroup=launch.threadgroup, output_shapes=[(*x.shape[:-1], launch.columns)],
-                                    output_dtypes=[x.dtype])[0]
+    return _kernel(*launch.variant)(inputs=inputs, grid=launch.grid, threadgroup=launch.threadgroup,
+                                    output_shapes=[(*x.shape[:-1], launch.columns)], output_dtypes=launch.dtypes)[0]
 
 
 def small_batch_matmul(x: Any, weight: Any, bias: Any = None, *, warps: int = 0, tiles: int = 0) -> Any:
