@@ -157,7 +157,9 @@ def test_a_newcomer_joins_a_lone_stream_within_one_chunk_and_one_step(counted_en
     assert after[chunk_at + 1] == (2, 1)  # the very next step decodes both, emitting the newcomer's first token
 
 
-def test_short_prompts_arriving_together_share_one_forward_pass(reference):
+@pytest.mark.parametrize("bucket", [1, 16])  # 16: as on GPU backends (mlxd.engine.prompts.GROUP_BUCKET)
+def test_short_prompts_arriving_together_share_one_forward_pass(reference, monkeypatch, bucket):
+    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: bucket)
     model, tokenizer = reference
     counting = CountingModel(model)
     engine = BatchedEngine(counting, EngineConfig(max_running=5, step_token_budget=256, prefill_chunk=64))
@@ -188,7 +190,9 @@ def test_short_prompts_arriving_together_share_one_forward_pass(reference):
         counting.gate.set()
         engine.stop()
     prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
-    assert prefill_calls == [(4, max(len(p) for p in prompts))]  # left-padded, one pass
+    longest = max(len(p) for p in prompts)
+    assert prefill_calls == [(4, math.ceil(longest / bucket) * bucket)]  # left-padded, one pass
+    assert bucket == 1 or longest % bucket  # the padding was rounded up
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == solo_tokens(model, prompt, 16)
 

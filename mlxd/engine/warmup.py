@@ -31,8 +31,9 @@ from mlxd.engine.row import Row, make_request_cache
 from mlxd.engine.target import verify
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
-# One within the query length of Metal's vector attention kernel (8), one past it (the full attention kernel).
-GROUP_PROMPT_LENGTHS = (4, 16)
+# On GPU backends groups are padded to multiples of 16 positions (:data:`mlxd.engine.prompts.GROUP_BUCKET`): these
+# are the widths of groups of prompts up to 64 tokens, the bursts of short requests whose first token waits for them.
+GROUP_PROMPT_LENGTHS = (16, 32, 48, 64)
 # The prompt of each row joining the decode batch on its own.
 _SHORT_PROMPT = [1, 2, 3, 4]
 
@@ -62,18 +63,19 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
       groups of every size 2..n (cached lengths and rests differing), each with one decode step.
 
     The trade-off: rows leaving and groups joining run the cache copies only, not a decode step (the decode
-    shapes are those of the first phase), and groups use short prompts. A group's padded length and a last
-    chunk's length take any value, and some kernels are built per exact shape (MLX's CUDA backend builds its
-    prefill attention per batch and lengths), so those of the prompts that come are not all warmed; what is, is
-    every batch size, and each kind of pass once. Not warmed either: samplers other than greedy (mlx-lm compiles
-    them per temperature and filter value, so no one value covers the requests that come), logits processors,
-    speculative steps and vision rows.
+    shapes are those of the first phase), and groups use short prompts. MLX's CUDA backend builds work per exact
+    shape of a pass; groups of prompts up to 64 tokens are padded to the widths warmed here, but longer groups, a last
+    chunk's length and a lone prompt's length take any value, so those of the prompts that come are not all warmed;
+    what is, is every batch size, and each kind of pass once. Not warmed either: samplers other than greedy (mlx-lm
+    compiles them per temperature and filter value, so no one value covers the requests that come), logits
+    processors, speculative steps and vision rows.
 
-    The cost is ``n * warmup_tokens`` decode steps and ``3n - 1`` prompt passes, ``2n - 2`` of them groups (about
-    ``10 * n * n`` prompt tokens in all). On a 2-core CPU at ``max_running`` 16: about 0.8 s with the tiny test
+    The cost is ``n * warmup_tokens`` decode steps and ``5n - 3`` prompt passes, ``4n - 4`` of them groups (about
+    ``80 * n * n`` prompt tokens in all). On a 2-core CPU at ``max_running`` 16: about 0.8 s with the tiny test
     model (0.2 s warming powers of two only), 3.5 s with the benchmark's tiny model (hidden size 128, 4 layers;
-    0.65 s before), half of it the groups. On an H100, Qwen3-8B shape at ``max_running`` 16: 3.2 s, 7 s the first
-    time in a process (1.0 s and 1.8 s before).
+    0.65 s before), half of it the groups, with two group widths (4 and 16) in place of today's four. On an H100,
+    Qwen3-8B shape at ``max_running`` 16: 3.2 s with two widths, 7 s the first time in a process (1.0 s and 1.8 s
+    before).
     """
     batch = DecodeBatch(model)
     every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
