@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -300,8 +301,10 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def first_pass_report(passes: list[FirstPass]) -> str:
-    """The first pass after ready beside the second, per mlxd server, and their ratio of aggregate tokens/s."""
+def first_pass_report(passes: list[FirstPass], rounds: list[list[Result]] | None = None) -> str:
+    """The first pass after ready beside the second, per mlxd server, and their ratio of aggregate tokens/s; with
+    ``rounds``, for scale, the same server's ratios between its runs at that level in consecutive rounds (warm
+    passes that differ only by when they ran)."""
     lines = ["First pass after ready (right after /health turned 200) and the next pass, each with prompts of its own:",
              "", "| engine | streams | pass | tokens | TTFT p50 (s) | aggregate tok/s |", "|---|---|---|---|---|---|"]
     for p in passes:
@@ -312,6 +315,11 @@ def first_pass_report(passes: list[FirstPass]) -> str:
     for p in passes:
         lines.append(f"- {p.first.label.replace(' (HTTP)', '')} first pass / second pass at {p.first.concurrency} "
                      f"streams: {p.first.tokens_per_s / p.second.tokens_per_s:.2f}x")
+        warm = [_rate(runs, p.first.label, p.first.concurrency) for runs in rounds or []]
+        steps = [a / b for a, b in itertools.pairwise(warm) if a and b]
+        if steps:
+            lines.append(f"  - for scale, its warm runs at {p.first.concurrency} streams, each round's against the "
+                         f"next: {', '.join(f'{v:.2f}x' for v in steps)}")
     return "\n".join(lines)
 
 
@@ -421,7 +429,7 @@ def main() -> None:
         table(results),
         ratios(results),
         round_ratios(rounds),
-        *([first_pass_report(passes)] if passes else []),
+        *([first_pass_report(passes, rounds)] if passes else []),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions(args.vllm_python).items()),
     ])
     if args.out:
