@@ -73,9 +73,9 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     The cost is ``n * warmup_tokens`` decode steps and ``5n - 3`` prompt passes, ``4n - 4`` of them groups (about
     ``80 * n * n`` prompt tokens in all). On a 2-core CPU at ``max_running`` 16: about 0.8 s with the tiny test
     model (0.2 s warming powers of two only), 3.5 s with the benchmark's tiny model (hidden size 128, 4 layers;
-    0.65 s before), half of it the groups, with two group widths (4 and 16) in place of today's four. On an H100,
+    0.65 s before), half of it the groups (then at two widths, 4 and 16, where there are four now). On an H100,
     Qwen3-8B shape at ``max_running`` 16: 3.2 s with two widths, 7 s the first time in a process (1.0 s and 1.8 s
-    before).
+    before); with four widths, 40.7 s in the first process on a freshly started H100, kernels compiled.
     """
     batch = DecodeBatch(model)
     every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
