@@ -63,3 +63,57 @@ def test_the_bucket_is_one_on_the_cpu():
     from mlxd.engine.prompts import GROUP_BUCKET, group_bucket
 
     assert group_bucket() == (1 if mx.default_device() == mx.cpu else GROUP_BUCKET)
+
+
+def engine_outputs(model, requests, *, together: bool):
+    """Each request's tokens and final event from a fresh engine: all submitted at once, or one after another."""
+    import asyncio
+
+    from mlxd.config.schema import EngineConfig
+    from mlxd.engine.base import Finished, Token
+    from mlxd.engine.batched import BatchedEngine
+
+    async def one(engine, request):
+        tokens = []
+        async for event in engine.submit(request).events():
+            if isinstance(event, Token):
+                tokens.append(event.token)
+            elif isinstance(event, Finished):
+                return tokens, event
+        raise AssertionError("no Finished event")
+
+    async def all_of(engine, batch):
+        if together:
+            return await asyncio.gather(*(one(engine, r) for r in batch))
+        return [await one(engine, r) for r in batch]
+
+    engine = BatchedEngine(model, EngineConfig(max_running=4, prefill_chunk=64, prefix_cache_min_tokens=4))
+    engine.start()
+    try:
+        return [asyncio.run(all_of(engine, batch)) for batch in requests]
+    finally:
+        engine.stop()
+
+
+def test_a_padded_groups_rows_leave_caches_that_later_requests_reuse(model, monkeypatch):
+    """Rows prompted in a padded group decode, finish and go to the prefix cache; follow-ups that extend their
+    conversations hit those caches and give what the same requests give alone and cold, with no padding."""
+    from mlxd.engine.base import EngineRequest, SamplingParams
+
+    greedy = SamplingParams(logit_bias={0: -100.0, 2: -100.0})  # no end-of-sequence: every row runs to the end
+    first = [EngineRequest(request_id=f"a{i}", prompt=p, max_tokens=6, sampling=greedy) for i, p in enumerate(PROMPTS)]
+
+    def follow_ups(outputs):
+        return [EngineRequest(request_id=f"b{i}", prompt=p + tokens + [4, 9, 3], max_tokens=6, sampling=greedy)
+                for i, (p, (tokens, _)) in enumerate(zip(PROMPTS, outputs, strict=True))]
+
+    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: 1)
+    alone_first = engine_outputs(model, [first], together=False)[0]
+    alone_second = engine_outputs(model, [follow_ups(alone_first)], together=False)[0]
+
+    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: 16)
+    grouped_first, = engine_outputs(model, [first], together=True)
+    assert [tokens for tokens, _ in grouped_first] == [tokens for tokens, _ in alone_first]
+    grouped = engine_outputs(model, [first, follow_ups(grouped_first)], together=True)[1]
+    assert [tokens for tokens, _ in grouped] == [tokens for tokens, _ in alone_second]
+    assert all(finished.num_cached_tokens > 0 for _, finished in grouped)

@@ -133,8 +133,11 @@ def test_an_unrelated_drafter_still_gives_the_plain_output(target, unrelated, pl
         engine.stop()
 
 
-def test_speculative_and_plain_rows_decode_together_as_they_do_alone(target, unrelated, plain_outputs):
+@pytest.mark.parametrize("bucket", [1, 16])  # 16: prompts padded as on GPU backends (mlxd.engine.prompts)
+def test_speculative_and_plain_rows_decode_together_as_they_do_alone(target, unrelated, plain_outputs, monkeypatch,
+                                                                     bucket):
     """4 speculative rows (a drafter that is often wrong, so acceptance is ragged) and 4 plain rows at once."""
+    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: bucket)
     model, tokenizer = target
     engine = start(model, DraftModelDrafter(unrelated), adaptive=False)
     try:
