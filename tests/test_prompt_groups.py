@@ -1,9 +1,11 @@
 """Whole prompts processed together (mlxd.engine.prompts.process_prompts), padded to a rounded length as on GPU
 backends: the padding is invisible. Oracle: the same rows processed with no padding beyond the longest prompt give
-the same first tokens and the same greedy continuations; attention-only and hybrid (recurrent) tiny models."""
+the same first tokens and the same greedy continuations, and through the engine the prefix-cache entries their rows
+leave serve follow-ups as a cold run would; attention-only and hybrid (recurrent) tiny models."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -11,8 +13,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
-from mlxd.engine.base import SamplingParams
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, Finished, SamplingParams, Token
 from mlxd.engine.batch import DecodeBatch
+from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.prompts import group_width, process_prompts
 from mlxd.engine.row import Row
 
@@ -24,24 +28,23 @@ def model(request, tiny_model_dir, tiny_qwen3_next_dir):
     return load(str(tiny_model_dir if request.param == "llama" else tiny_qwen3_next_dir))[0]
 
 
-def greedy_group(model, monkeypatch, bucket: int, steps: int = 8) -> tuple[list[list[int]], int]:
-    """Each row's first token and ``steps`` more, the rows prompted together with ``bucket``; and the pass width."""
+def greedy_group(model, monkeypatch, bucket: int, steps: int = 8) -> list[list[int]]:
+    """Each row's first token and ``steps`` more, the rows prompted together with ``bucket``."""
     monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: bucket)
     rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(PROMPTS))]
     cache, first = process_prompts(model, rows, PROMPTS)
-    width = cache[0].offset if hasattr(cache[0], "offset") else None
     batch = DecodeBatch(model)
     batch.add_batch(rows, cache, first)
     emitted = [[] for _ in rows]
     for _ in range(steps):
         for i, tokens in enumerate(batch.step()):
             emitted[i] += tokens
-    return emitted, width
+    return emitted
 
 
 def test_padding_a_group_to_a_rounded_length_changes_no_token(model, monkeypatch):
-    exact, _ = greedy_group(model, monkeypatch, bucket=1)
-    rounded, _ = greedy_group(model, monkeypatch, bucket=16)
+    exact = greedy_group(model, monkeypatch, bucket=1)
+    rounded = greedy_group(model, monkeypatch, bucket=16)
     assert rounded == exact
 
 
@@ -67,12 +70,6 @@ def test_the_bucket_is_one_on_the_cpu():
 
 def engine_outputs(model, requests, *, together: bool):
     """Each request's tokens and final event from a fresh engine: all submitted at once, or one after another."""
-    import asyncio
-
-    from mlxd.config.schema import EngineConfig
-    from mlxd.engine.base import Finished, Token
-    from mlxd.engine.batched import BatchedEngine
-
     async def one(engine, request):
         tokens = []
         async for event in engine.submit(request).events():
@@ -98,8 +95,6 @@ def engine_outputs(model, requests, *, together: bool):
 def test_a_padded_groups_rows_leave_caches_that_later_requests_reuse(model, monkeypatch):
     """Rows prompted in a padded group decode, finish and go to the prefix cache; follow-ups that extend their
     conversations hit those caches and give what the same requests give alone and cold, with no padding."""
-    from mlxd.engine.base import EngineRequest, SamplingParams
-
     greedy = SamplingParams(logit_bias={0: -100.0, 2: -100.0})  # no end-of-sequence: every row runs to the end
     first = [EngineRequest(request_id=f"a{i}", prompt=p, max_tokens=6, sampling=greedy) for i, p in enumerate(PROMPTS)]
 
