@@ -34,9 +34,8 @@ from mlxd.runtime.small_batch_linear import SmallBatchLinear  # noqa: E402
 
 def templated_kernel():
     """The kernel with its constants as ``template`` arguments (mlxd's call before the constants moved)."""
-    header = small_batch._HEADER
     return mx.fast.cuda_kernel(name="mlxd_call_cost_templated", input_names=["x", "w"], output_names=["y"],
-                               header=header, source=small_batch._SOURCE.replace("ADD_BIAS", ""))
+                               header=small_batch._HEADER, source=small_batch._SOURCE.replace("ADD_BIAS", ""))
 
 
 def per_call_us(call, calls: int, batches: int) -> float:

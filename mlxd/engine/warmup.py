@@ -21,6 +21,7 @@ from mlxd.engine.base import SamplingParams
 from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.padded import BUCKET, pad_verify
 from mlxd.engine.prompts import (
+    GROUP_BUCKET,
     can_batch_prompts,
     can_continue_together,
     process_continuations,
@@ -31,9 +32,9 @@ from mlxd.engine.row import Row, make_request_cache
 from mlxd.engine.target import verify
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
-# On GPU backends groups are padded to multiples of 16 positions (:data:`mlxd.engine.prompts.GROUP_BUCKET`): these
-# are the widths of groups of prompts up to 64 tokens, the bursts of short requests whose first token waits for them.
-GROUP_PROMPT_LENGTHS = (16, 32, 48, 64)
+# On GPU backends groups are padded to multiples of GROUP_BUCKET (16) positions: these are the widths of groups of
+# prompts up to 64 tokens, the bursts of short requests whose first token waits for them.
+GROUP_PROMPT_LENGTHS = tuple(GROUP_BUCKET * i for i in (1, 2, 3, 4))
 # The prompt of each row joining the decode batch on its own.
 _SHORT_PROMPT = [1, 2, 3, 4]
 

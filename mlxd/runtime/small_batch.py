@@ -187,10 +187,6 @@ class Launch:
     columns: int
     dtypes: list  # the output's dtype (the weight's), as the call takes it
 
-    @property
-    def variant(self) -> tuple[bool, bool, int, int]:
-        return self.has_bias, self.bf16, self.tiles, self.warps
-
 
 def plan(weight: Any, has_bias: bool, *, warps: int = 0, tiles: int = 0) -> Launch:
     """The launch for ``weight``; ``warps`` and ``tiles`` override :func:`shape_for` (0: its choice)."""
@@ -206,8 +202,9 @@ def plan(weight: Any, has_bias: bool, *, warps: int = 0, tiles: int = 0) -> Laun
 def run(launch: Launch, x: Any, weight: Any, bias: Any = None) -> Any:
     """``x @ weight.T (+ bias)`` for ``x`` of shape (..., K), 2 to ``MAX_ROWS`` rows, ``weight``'s dtype."""
     inputs = [x, weight] if bias is None else [x, weight, bias]
-    return _kernel(*launch.variant)(inputs=inputs, grid=launch.grid, threadgroup=launch.threadgroup,
-                                    output_shapes=[(*x.shape[:-1], launch.columns)], output_dtypes=launch.dtypes)[0]
+    kernel = _kernel(launch.has_bias, launch.bf16, launch.tiles, launch.warps)
+    return kernel(inputs=inputs, grid=launch.grid, threadgroup=launch.threadgroup,
+                  output_shapes=[(*x.shape[:-1], launch.columns)], output_dtypes=launch.dtypes)[0]
 
 
 def small_batch_matmul(x: Any, weight: Any, bias: Any = None, *, warps: int = 0, tiles: int = 0) -> Any:
