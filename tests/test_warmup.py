@@ -62,6 +62,16 @@ def test_warm_up_meets_every_batch_size_and_leaves_nothing_behind(model):
     assert decode_sizes == set(range(1, MAX_RUNNING + 1))
     assert prompt_groups == set(range(2, MAX_RUNNING + 1))
     assert (1, CHUNK) in recording.shapes
+    # Every group decodes right after joining: alone (a batch of its own size), and beside one row below n.
+    after_group = {
+        (batch, recording.shapes[i + 1])
+        for i, (batch, length) in enumerate(recording.shapes[:-1])
+        if batch > 1 and length > 2
+    }
+    assert after_group == (
+        {(size, (size, 1)) for size in range(2, MAX_RUNNING + 1)}
+        | {(size, (size + 1, 1)) for size in range(2, MAX_RUNNING)}
+    )
     # Rests of prompts continuing from cached states, together (attention-only models: their caches can merge).
     continued = {batch for batch, length in recording.shapes if batch > 1 and length == 2}
     attention_only = all(type(c) is KVCache for c in make_prompt_cache(model))

@@ -58,25 +58,25 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     - rows leaving one at a time (``filter``, then ``extract`` back to a lone row), and a row's cache taken out of
       the batch (``row_cache``), as the prefix cache does when a request ends;
     - whole prompts processed together (:func:`process_prompts`), groups of every size 2..n at each length of
-      :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining a batch of one row
-      (``extend``) or, at n, an empty one, then leaving it;
+      :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch and,
+      below n, a batch of one row (``extend``), with two decode steps each, then leaving;
     - the rests of prompts that start from cached states, processed together (:func:`process_continuations`),
       groups of every size 2..n (cached lengths and rests differing), each with one decode step.
 
-    The trade-off: rows leaving and groups joining run the cache copies only, not a decode step (the decode
-    shapes are those of the first phase), and groups use short prompts. MLX's CUDA backend builds work per exact
+    The trade-off: rows leaving run the cache copies only, not a decode step (the decode shapes are those of the
+    first phase), and groups use short prompts. MLX's CUDA backend builds work per exact
     shape of a pass; groups of prompts up to 64 tokens are padded to the widths warmed here, but longer groups, a last
     chunk's length and a lone prompt's length take any value, so those of the prompts that come are not all warmed;
     what is, is every batch size, and each kind of pass once. Not warmed either: samplers other than greedy (mlx-lm
     compiles them per temperature and filter value, so no one value covers the requests that come), logits
     processors, speculative steps and vision rows.
 
-    The cost is ``n * warmup_tokens`` decode steps and ``5n - 3`` prompt passes, ``4n - 4`` of them groups (about
-    ``80 * n * n`` prompt tokens in all). On a 2-core CPU at ``max_running`` 16: about 0.8 s with the tiny test
-    model (0.2 s warming powers of two only), 3.5 s with the benchmark's tiny model (hidden size 128, 4 layers;
-    0.65 s before), half of it the groups (then at two widths, 4 and 16, where there are four now). On an H100,
-    Qwen3-8B shape at ``max_running`` 16: 3.2 s with two widths, 7 s the first time in a process (1.0 s and 1.8 s
-    before); with four widths, 40.7 s in the first process on a freshly started H100, kernels compiled.
+    The cost is ``n * warmup_tokens + 16n - 24`` decode steps and ``9n - 11`` prompt passes, ``8n - 12`` of them
+    groups (about ``160 * n * n`` prompt tokens in all). At ``max_running`` 16, on a 2-core CPU with everything
+    forced on: 8.8-9.9 s with the tiny test model and 36-46 s with the benchmark's tiny model (hidden size 128, 4
+    layers), against 3.2-4.9 s and 16-24 s without the decode steps after groups, and 0.2 s and 1.0-1.6 s for what
+    the CPU runs by default. On an H100, Qwen3-8B shape: 51-52 s in the first process on a freshly started machine
+    (kernels compiled), 21-24 s in later processes (17-21 s without the decode steps after groups).
     """
     batch = DecodeBatch(model)
     every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
@@ -117,20 +117,24 @@ def _leave_one_by_one(batch: DecodeBatch) -> None:
 
 
 def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
-    """Groups of 2..max_running whole prompts join ``batch`` (which holds one row) or, for a full group, an empty
-    batch, then leave it again."""
+    """Groups of 2..max_running whole prompts, at every width, join an empty batch and ``batch`` (which holds one
+    row; not for a full group), decode two steps there and leave. The first decode step after a group joins grows
+    the batched cache, and MLX's CUDA backend builds that step's work once per batch size and width: on an H100
+    (Qwen3-8B shape) a group of 16 rows of 27 tokens joining an empty batch took 34-70 ms for that step when
+    warm-up had not run it (six processes), 12-18 ms when it had (six), as much as the steps after it."""
     lengths = sorted({min(n, config.prefill_chunk) for n in GROUP_PROMPT_LENGTHS})
     for size in range(2, config.max_running + 1):
         for length in lengths:
-            rows = [_row(model, config, f"group-{size}-{length}-{i}") for i in range(size)]
-            if not can_batch_prompts(rows):
-                return
-            host = batch if size < config.max_running else DecodeBatch(model)
-            cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
-            host.add_batch(rows, cache, first)
-            _evaluate(host)
-            host.remove({row.request_id for row in rows})
-            _evaluate(host)
+            hosts = [DecodeBatch(model)] + ([batch] if size < config.max_running else [])
+            for host in hosts:
+                rows = [_row(model, config, f"group-{size}-{length}-{len(host)}-{i}") for i in range(size)]
+                if not can_batch_prompts(rows):
+                    return
+                cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
+                host.add_batch(rows, cache, first)
+                _steps(host, 2)
+                host.remove({row.request_id for row in rows})
+                _evaluate(host)
         mx.clear_cache()  # every size leaves buffers of shapes no later size reuses: 44 GB on an H100 (Qwen3-8B)
 
 
