@@ -1,59 +1,96 @@
-"""Does a batched decode step pay for a cache length it has not met before?
+"""Does a batched decode step pay for a cache length, or a group's first step, it has not met before?
 
-Each pass joins ``--streams`` rows through one prompt pass (prompts of about the given length, a few tokens apart,
-so the batch is left-padded as in serving) and runs ``--steps`` decode steps of mlxd's ``DecodeBatch``. Every
-length is run twice in a row, with fresh rows: the first pass meets each cache length for the first time in the
-process, the second meets the same lengths again. Were anything built per length (a kernel, a plan), the first
-pass of each pair would be slower. Step times are wall times of ``DecodeBatch.step`` (which waits for the previous
-step's tokens), medians and means over the pass.
+Each pass joins a group of rows through one prompt pass (prompts of about the given length, a few tokens apart, so
+the batch is left-padded as in serving) and runs ``--steps`` decode steps of mlxd's ``DecodeBatch``. Every group is
+run twice in a row, with fresh rows: the first pass meets its shapes for the first time in the process, the second
+meets them again. Were anything built per shape (a kernel, a plan, a CUDA graph), the first pass of each pair would
+be slower. Step times are wall times of ``DecodeBatch.step`` (which waits for the previous step's tokens): the
+first step after the group joins, then the median and mean over the pass, and the host's CPU time a step (this
+thread's), which equals the wall time when the step is bound by the host.
 
-    python benchmarks/decode_lengths.py --model ../models/qwen3-8b --streams 16 --lengths 30,600,1500
+``--groups`` lists groups as ``ROWSxLENGTH`` or ``ROWS+DECODINGxLENGTH`` (the group joins a batch where
+``DECODING`` other rows already decode); ``--warm-up`` runs mlxd's own warm-up (``max_running`` the largest batch
+met) first, as the daemon does before it reports ready.
+
+    python benchmarks/decode_lengths.py --model ../models/qwen3-8b --groups 16x30,16x600,16x1500
+    python benchmarks/decode_lengths.py --model ../models/qwen3-8b --warm-up --steps 32 \\
+        --groups 16x27,8x27,12x27,5x45,8+4x27
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dispatch_costs import emit  # noqa: E402
 from load import model_folder  # noqa: E402
 
 
-def one_pass(model, streams: int, length: int, steps: int, tag: int) -> list[float]:
+def parse_groups(text: str) -> list[tuple[int, int, int]]:
+    """``16x27,8+4x27`` → ``[(16, 0, 27), (8, 4, 27)]`` (rows, rows already decoding, prompt length)."""
+    groups = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\+(\d+))?x(\d+)", item.strip())
+        if not match:
+            raise SystemExit(f"--groups: {item!r} is not ROWSxLENGTH or ROWS+DECODINGxLENGTH")
+        groups.append((int(match[1]), int(match[2] or 0), int(match[3])))
+    return groups
+
+
+def one_pass(model, rows: int, decoding: int, length: int, steps: int, tag: int) -> tuple[list[float], float]:
+    """Wall ms of each step after the group joins, and the host's CPU ms a step."""
     import mlx.core as mx
 
-    from mlxd.engine.base import SamplingParams
     from mlxd.engine.batch import DecodeBatch
-    from mlxd.engine.prompts import process_prompts
-    from mlxd.engine.row import Row
 
-    prompts = [[(tag * 131 + i * 17 + j * 7) % 5000 + 10 for j in range(length + (i * 3) % 9)] for i in range(streams)]
-    rows = [Row.for_request(f"r{tag}-{i}", SamplingParams(), model, 0) for i in range(streams)]
     batch = DecodeBatch(model)
-    batch.add_batch(rows, *process_prompts(model, rows, prompts))
+    if decoding:
+        _join(model, batch, decoding, 3, f"d{tag}")
+        for _ in range(20):
+            batch.step()
+    mx.synchronize()
+    _join(model, batch, rows, length, f"g{tag}")
+    cpu = time.thread_time()
     walls = []
     for _ in range(steps):
         started = time.perf_counter()
         batch.step()
         walls.append(1000 * (time.perf_counter() - started))
+    cpu = 1000 * (time.thread_time() - cpu) / steps
     mx.eval(batch.inputs)
     batch.clear()
     mx.clear_cache()
-    return walls
+    return walls, cpu
+
+
+def _join(model, batch, rows: int, length: int, tag: str) -> None:
+    from mlxd.engine.base import SamplingParams
+    from mlxd.engine.prompts import process_prompts
+    from mlxd.engine.row import Row
+
+    seed = sum(map(ord, tag))
+    prompts = [[(seed * 131 + i * 17 + j * 7) % 5000 + 10 for j in range(length + (i * 3) % 9)] for i in range(rows)]
+    group = [Row.for_request(f"{tag}-{i}", SamplingParams(), model, 0) for i in range(rows)]
+    batch.add_batch(group, *process_prompts(model, group, prompts))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model folder (else a tiny random --tiny model)")
     parser.add_argument("--tiny", default="qwen3")
-    parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--steps", type=int, default=128)
-    parser.add_argument("--lengths", default="30,600,1500", help="prompt lengths, each run twice")
+    parser.add_argument("--groups", default="16x30,16x600,16x1500", help="groups, each run twice")
+    parser.add_argument("--warm-up", action="store_true", help="run mlxd's warm-up first")
+    parser.add_argument("--out", help="append the report here (else print it)")
     args = parser.parse_args()
+    groups = parse_groups(args.groups)
 
     import mlx.core as mx
     from mlx_lm import load
@@ -63,15 +100,23 @@ def main() -> None:
         from mlxd.runtime.small_batch_linear import use_small_batch_kernel
 
         use_small_batch_kernel(model)  # as mlxd serves it
-    print("| prompt tokens | pass | step ms, median | mean | first three |")  # noqa: T201 - the report
-    print("|---|---|---|---|---|")  # noqa: T201
-    tag = 0
-    for length in (int(n) for n in args.lengths.split(",")):
+    if args.warm_up:
+        from mlxd.config.schema import EngineConfig
+        from mlxd.engine.warmup import warm_up_shapes
+
+        started = time.perf_counter()
+        warm_up_shapes(model, EngineConfig(max_running=max(rows + decoding for rows, decoding, _ in groups)))
+        emit(f"warm-up: {time.perf_counter() - started:.1f} s\n", args.out)
+    lines = ["| group | prompt tokens | pass | first step ms | step ms, median | mean | host CPU ms a step |",
+             "|---|---|---|---|---|---|---|"]
+    for tag, (rows, decoding, length) in enumerate(groups):
         for name in ("first", "again"):
-            tag += 1
-            walls = one_pass(model, args.streams, length, args.steps, tag)
-            print(f"| ~{length} | {name} | {statistics.median(walls):.2f} | {statistics.mean(walls):.2f} | "  # noqa: T201
-                  f"{', '.join(f'{w:.1f}' for w in walls[:3])} |", flush=True)
+            walls, cpu = one_pass(model, rows, decoding, length, args.steps, 2 * tag + (name == "again"))
+            label = f"{rows} joining {decoding}" if decoding else f"{rows}"
+            lines.append(f"| {label} | ~{length} | {name} | {walls[0]:.1f} | {statistics.median(walls):.2f} | "
+                         f"{statistics.mean(walls):.2f} | {cpu:.2f} |")
+            print(lines[-1], file=sys.stderr, flush=True)  # noqa: T201 - progress
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":
