@@ -10,10 +10,12 @@ thread's), which equals the wall time when the step is bound by the host.
 
 ``--groups`` lists groups as ``ROWSxLENGTH`` or ``ROWS+DECODINGxLENGTH`` (the group joins a batch where
 ``DECODING`` other rows already decode); ``--warm-up`` runs mlxd's own warm-up (``max_running`` the largest batch
-met) first, as the daemon does before it reports ready.
+met) first, as the daemon does before it reports ready, and ``--freeze`` then freezes the Python heap, as the daemon
+does at ready (:mod:`mlxd.runtime.heap`). The last column counts the cycle collector's passes during the pass and
+the time they held the process: a full pass over an unfrozen heap can stall a step by tens of milliseconds.
 
     python benchmarks/decode_lengths.py --model ../models/qwen3-8b --groups 16x30,16x600,16x1500
-    python benchmarks/decode_lengths.py --model ../models/qwen3-8b --warm-up --steps 32 \\
+    python benchmarks/decode_lengths.py --model ../models/qwen3-8b --warm-up --freeze --steps 32 \\
         --groups 16x27,8x27,12x27,5x45,8+4x27
 """
 
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dispatch_costs import emit  # noqa: E402
 from load import model_folder  # noqa: E402
+
+from mlxd.runtime.heap import PAUSES, freeze_loaded_objects  # noqa: E402
 
 
 def parse_groups(text: str) -> list[tuple[int, int, int]]:
@@ -88,6 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--groups", default="16x30,16x600,16x1500", help="groups, each run twice")
     parser.add_argument("--warm-up", action="store_true", help="run mlxd's warm-up first")
+    parser.add_argument("--freeze", action="store_true", help="then freeze the Python heap, as the daemon does")
     parser.add_argument("--out", help="append the report here (else print it)")
     args = parser.parse_args()
     groups = parse_groups(args.groups)
@@ -107,14 +112,20 @@ def main() -> None:
         started = time.perf_counter()
         warm_up_shapes(model, EngineConfig(max_running=max(rows + decoding for rows, decoding, _ in groups)))
         emit(f"warm-up: {time.perf_counter() - started:.1f} s\n", args.out)
-    lines = ["| group | prompt tokens | pass | first step ms | step ms, median | mean | host CPU ms a step |",
-             "|---|---|---|---|---|---|---|"]
+    if args.freeze:
+        emit(f"frozen: {freeze_loaded_objects()} objects\n", args.out)
+    PAUSES.install()
+    lines = ["| group | prompt tokens | pass | first step ms | step ms, median | mean | host CPU ms a step | "
+             "collector passes (full) / ms |", "|---|---|---|---|---|---|---|---|"]
     for tag, (rows, decoding, length) in enumerate(groups):
         for name in ("first", "again"):
+            passes, full, paused = sum(PAUSES.num_collections), PAUSES.num_collections[2], PAUSES.total_s
             walls, cpu = one_pass(model, rows, decoding, length, args.steps, 2 * tag + (name == "again"))
+            collector = (f"{sum(PAUSES.num_collections) - passes} ({PAUSES.num_collections[2] - full}) / "
+                         f"{1000 * (PAUSES.total_s - paused):.1f}")
             label = f"{rows} joining {decoding}" if decoding else f"{rows}"
             lines.append(f"| {label} | ~{length} | {name} | {walls[0]:.1f} | {statistics.median(walls):.2f} | "
-                         f"{statistics.mean(walls):.2f} | {cpu:.2f} |")
+                         f"{statistics.mean(walls):.2f} | {cpu:.2f} | {collector} |")
             print(lines[-1], file=sys.stderr, flush=True)  # noqa: T201 - progress
     emit("\n".join(lines) + "\n", args.out)
 
