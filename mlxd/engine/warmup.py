@@ -126,16 +126,23 @@ def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> Non
     for size in range(2, config.max_running + 1):
         for length in lengths:
             hosts = [DecodeBatch(model)] + ([batch] if size < config.max_running else [])
-            for host in hosts:
-                rows = [_row(model, config, f"group-{size}-{length}-{len(host)}-{i}") for i in range(size)]
-                if not can_batch_prompts(rows):
-                    return
-                cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
-                host.add_batch(rows, cache, first)
-                _steps(host, 2)
-                host.remove({row.request_id for row in rows})
-                _evaluate(host)
+            if not all(_join_and_leave(model, config, host, size, length) for host in hosts):
+                return
         mx.clear_cache()  # every size leaves buffers of shapes no later size reuses: 44 GB on an H100 (Qwen3-8B)
+
+
+def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: int, length: int) -> bool:
+    """A group of ``size`` prompts of about ``length`` tokens joins ``host``, decodes two steps there and leaves;
+    False when the model's caches cannot be grouped (then nothing ran)."""
+    rows = [_row(model, config, f"group-{size}-{length}-{len(host)}-{i}") for i in range(size)]
+    if not can_batch_prompts(rows):
+        return False
+    cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
+    host.add_batch(rows, cache, first)
+    _steps(host, 2)
+    host.remove({row.request_id for row in rows})
+    _evaluate(host)
+    return True
 
 
 def _continue_in_groups(model: Any, config: EngineConfig) -> None:
