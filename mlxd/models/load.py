@@ -118,9 +118,9 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
-    from mlxd.runtime.cuda import prepare_attention
+    from mlxd.runtime.cuda import prepare_cuda
 
-    prepare_attention(kind)
+    prepare_cuda(kind)
     processor = None
     if kind == "vision":
         from mlxd.models.vision_load import load_vision
