@@ -100,6 +100,9 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
 
+    from mlxd.runtime.cuda import prepare_cuda
+
+    prepare_cuda("text")  # MLX's CUDA settings, as mlxd serves (the environment's own win)
     model, _ = load(model_folder(args.model, args.tiny))
     if mx.default_device() != mx.cpu:
         from mlxd.runtime.small_batch_linear import use_small_batch_kernel

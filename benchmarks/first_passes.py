@@ -10,7 +10,10 @@ cache); the last ``--long-passes`` passes use longer prompts (a padded length no
 * the engine's own time per step, by phase, from ``/v1/status`` before and after the pass (``step_ms`` means times
   ``num_steps``): ``decode_build`` (the host building and dispatching a step), ``decode_wait`` (waiting for the
   device), ``prefill``;
-* the Python collector's passes over the whole heap (generation 2) and its pauses, from ``/v1/status`` ``gc``.
+* the Python collector's passes over the whole heap (generation 2) and its pauses, from ``/v1/status`` ``gc``;
+* from the pass's request log lines (the server logs at ``info``), medians of each request's time to first token
+  as the server saw it and of its parts: ``prepare_s`` (tokenizing, on a worker thread), ``queued_s`` (waiting for
+  a place in the batch) and ``prefill_s`` (its prompt pass).
 
     python benchmarks/first_passes.py --model ../models/qwen3-8b --starts 2 --out docs/benchmarks/x.md
     python benchmarks/first_passes.py --tiny qwen3 --streams 4
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -34,8 +38,10 @@ import load as loadgen  # noqa: E402
 from dispatch_costs import emit  # noqa: E402
 
 HEADER = ["| start | pass | prompt words | tok/s | TTFT p50 (s) | kernels compiled | steps | decode build ms/step | "
-          "decode wait ms/step | prefill ms | full collections | collector pause ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "decode wait ms/step | prefill ms | full collections | collector pause ms | server TTFT / prepare / queued / "
+          "prefill ms, medians |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+PARTS = ("ttft_s", "prepare_s", "queued_s", "prefill_s")
 
 
 def engine_totals(port: int) -> dict:
@@ -47,13 +53,32 @@ def engine_totals(port: int) -> dict:
             "pause": status["gc"]["pause_ms_total"]}
 
 
+def request_lines(log: Path, skip: int) -> tuple[list[dict], int]:
+    """The request log lines written after the first ``skip`` lines of ``log``, and the count of lines read."""
+    lines = log.read_text().splitlines()
+    events = []
+    for line in lines[skip:]:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "request":
+            events.append(event)
+    return events, len(lines)
+
+
+def _median_ms(requests: list[dict], part: str) -> str:
+    values = [r[part] for r in requests if r.get(part) is not None]
+    return f"{1000 * statistics.median(values):.0f}" if values else "–"
+
+
 def one_start(start: int, args, model: str, tmp: Path) -> list[str]:
     port = loadgen.free_port()
     folder = tmp / f"start-{start}"
     kernels = folder / "ptx"
-    command = loadgen.mlxd_command(model, port, folder, args.streams)
+    command = loadgen.mlxd_command(model, port, folder, args.streams, log_level="info")
     files = lambda: {p for p in kernels.rglob("*") if p.is_file()} if kernels.exists() else set()  # noqa: E731
-    rows, offset = [], 10_000 * start
+    rows, offset, lines = [], 10_000 * start, 0
     with loadgen.serve(command, port, folder / "server.log", "/health", {"MLX_PTX_CACHE_DIR": str(kernels)}):
         seen, before = files(), engine_totals(port)
         plan = [args.words] * args.passes + [args.long_words] * args.long_passes
@@ -63,12 +88,14 @@ def one_start(start: int, args, model: str, tmp: Path) -> list[str]:
             result = asyncio.run(loadgen.http_load("mlxd", port, "bench", prompts, args.max_tokens))
             time.sleep(0.2)  # the last request's bookkeeping
             now, after = files(), engine_totals(port)
+            requests, lines = request_lines(folder / "server.log", lines)
+            parts = " / ".join(_median_ms(requests, part) for part in PARTS)
             steps = max(after["steps"] - before["steps"], 1)
             rows.append(f"| {start + 1} | {number} | {words} | {result.tokens_per_s:.0f} | {result.ttft_p50_s:.3f} | "
                         f"{len(now - seen)} | {steps} | {(after['decode_build'] - before['decode_build']) / steps:.2f} | "
                         f"{(after['decode_wait'] - before['decode_wait']) / steps:.2f} | "
                         f"{after['prefill'] - before['prefill']:.0f} | {after['full'] - before['full']} | "
-                        f"{after['pause'] - before['pause']:.0f} |")
+                        f"{after['pause'] - before['pause']:.0f} | {parts} |")
             print(rows[-1], flush=True)  # noqa: T201 - progress
             seen, before = now, after
     return rows

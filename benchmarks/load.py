@@ -211,7 +211,7 @@ def wait_ready(port: int, path: str, proc: subprocess.Popen, log: Path, timeout:
     raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int) -> list[str]:
+def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int, log_level: str = "warning") -> list[str]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "mlxd.toml"
     config.write_text(f"""pipeline = "chat"
@@ -223,7 +223,7 @@ name = "bench"
 [engine]
 max_running = {max_running}
 [logging]
-level = "warning"
+level = "{log_level}"
 format = "json"
 """)
     return [sys.executable, "-m", "mlxd", "--config", str(config), "--port", str(port)]
