@@ -317,6 +317,24 @@ def test_oversized_body_is_still_413(tiny_model_dir, tmp_path):
         assert_error(chat(client, messages=[{"role": "user", "content": "x" * 5000}]), 413)
 
 
+def test_building_the_app_builds_every_endpoint_body_decoder(tiny_model_dir, tmp_path):
+    """Not the first request of each endpoint: it would pay several ms on the event loop, and every request beside
+    it would wait."""
+    from mlxd.api import anthropic_schemas, body, responses_schemas, schemas
+    from mlxd.api.app import create_app
+    from mlxd.cli import load_everything
+    from mlxd.daemon import Daemon
+
+    body._decoder.cache_clear()
+    config, pipeline = load_everything(write_config(tmp_path, tiny_model_dir))
+    create_app(Daemon(config, pipeline, base_dir=tmp_path), load=False)
+    built = body._decoder.cache_info().currsize
+    for type_ in (schemas.ChatCompletionRequest, schemas.CompletionRequest, anthropic_schemas.MessagesRequest,
+                  anthropic_schemas.CountTokensRequest, responses_schemas.ResponsesRequest):
+        body._decoder(type_)
+    assert body._decoder.cache_info().currsize == built == 5
+
+
 def test_the_daemon_is_alive_and_unpoisoned_afterwards(served):
     client, _, before = served
     assert client.get("/health").status_code == 200
