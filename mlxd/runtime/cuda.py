@@ -15,8 +15,8 @@ MLX reads ``MLX_CUDA_USE_CUDNN_SDPA`` once, at its first attention call.
 
 **MLX's cache of CUDA graphs is made larger.** MLX records kernels into CUDA graphs and keeps the executable graph
 of each topology it has launched, up to ``MLX_CUDA_GRAPH_CACHE_SIZE`` of them (400 by default), least recently used
-first out. A topology met again is updated in place (cheap); one not in the cache is instantiated, which costs the
-host a few hundred microseconds a graph, and a decode step of an 8B model is about forty graphs. Warm-up runs every
+first out. A topology met again is updated in place; one not in the cache is instantiated anew, which costs the
+host far more, and a decode step of an 8B model is about forty graphs. Warm-up runs every
 group of prompts joining the batch and its first decode steps, more topologies than 400 hold, so the groups warmed
 first were evicted again before serving began: on an H100 (Qwen3-8B shape, bf16) the first step after 8 or 12
 prompts joined, or 8 joined 4 rows decoding, took 18-56 ms against 9-18 ms for the steps after it. With room for
