@@ -56,11 +56,11 @@ def one_pass(model, rows: int, decoding: int, length: int, steps: int, tag: int)
 
     batch = DecodeBatch(model)
     if decoding:
-        _join(model, batch, decoding, 3, f"d{tag}")
+        _join(model, batch, decoding, 3, f"d{tag}", 2 * tag)
         for _ in range(20):
             batch.step()
     mx.synchronize()
-    _join(model, batch, rows, length, f"g{tag}")
+    _join(model, batch, rows, length, f"g{tag}", 2 * tag + 1)
     cpu = time.thread_time()
     walls = []
     for _ in range(steps):
@@ -74,14 +74,14 @@ def one_pass(model, rows: int, decoding: int, length: int, steps: int, tag: int)
     return walls, cpu
 
 
-def _join(model, batch, rows: int, length: int, tag: str) -> None:
+def _join(model, batch, rows: int, length: int, name: str, seed: int) -> None:
+    """``rows`` prompts of about ``length`` tokens, distinct for every ``seed``, join ``batch`` in one pass."""
     from mlxd.engine.base import SamplingParams
     from mlxd.engine.prompts import process_prompts
     from mlxd.engine.row import Row
 
-    seed = sum(map(ord, tag))
     prompts = [[(seed * 131 + i * 17 + j * 7) % 5000 + 10 for j in range(length + (i * 3) % 9)] for i in range(rows)]
-    group = [Row.for_request(f"{tag}-{i}", SamplingParams(), model, 0) for i in range(rows)]
+    group = [Row.for_request(f"{name}-{i}", SamplingParams(), model, 0) for i in range(rows)]
     batch.add_batch(group, *process_prompts(model, group, prompts))
 
 

@@ -119,7 +119,8 @@ def _leave_one_by_one(batch: DecodeBatch) -> None:
 def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
     """Groups of 2..max_running whole prompts, at every width, join an empty batch and ``batch`` (which holds one
     row; not for a full group), decode two steps there and leave. The first decode step after a group joins grows
-    the batched cache, and MLX's CUDA backend builds that step's work once per batch size and width: on an H100
+    the batched cache, and MLX's CUDA backend builds that step's graphs once per batch size and width (they last
+    while its graph cache holds them, which :mod:`mlxd.runtime.cuda` makes room for): on an H100
     (Qwen3-8B shape) a group of 16 rows of 27 tokens joining an empty batch took 34-70 ms for that step when
     warm-up had not run it (six processes), 12-18 ms when it had (six), as much as the steps after it."""
     lengths = sorted({min(n, config.prefill_chunk) for n in GROUP_PROMPT_LENGTHS})
