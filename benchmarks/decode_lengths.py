@@ -52,7 +52,7 @@ def one_pass(model, rows: int, decoding: int, length: int, steps: int, tag: int)
     """Wall ms of each step after the group joins, and the host's CPU ms a step."""
     import mlx.core as mx
 
-    from mlxd.engine.batch import DecodeBatch
+    from mlxd.engine.step.batch import DecodeBatch
 
     batch = DecodeBatch(model)
     if decoding:
@@ -77,8 +77,8 @@ def one_pass(model, rows: int, decoding: int, length: int, steps: int, tag: int)
 def _join(model, batch, rows: int, length: int, name: str, seed: int) -> None:
     """``rows`` prompts of about ``length`` tokens, distinct for every ``seed``, join ``batch`` in one pass."""
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.prompts import process_prompts
-    from mlxd.engine.row import Row
+    from mlxd.engine.step.prompts import process_prompts
+    from mlxd.engine.step.row import Row
 
     prompts = [[(seed * 131 + i * 17 + j * 7) % 5000 + 10 for j in range(length + (i * 3) % 9)] for i in range(rows)]
     group = [Row.for_request(f"{name}-{i}", SamplingParams(), model, 0) for i in range(rows)]
@@ -110,7 +110,7 @@ def main() -> None:
         use_small_batch_kernel(model)  # as mlxd serves it
     if args.warm_up:
         from mlxd.config.schema import EngineConfig
-        from mlxd.engine.warmup import warm_up_shapes
+        from mlxd.engine.step.warmup import warm_up_shapes
 
         started = time.perf_counter()
         warm_up_shapes(model, EngineConfig(max_running=max(rows + decoding for rows, decoding, _ in groups)))

@@ -91,7 +91,7 @@ def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool,
 
 
 def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
-    """Milliseconds per step of mlxd's decode batch (:class:`~mlxd.engine.batch.DecodeBatch`) driven in a loop on
+    """Milliseconds per step of mlxd's decode batch (:class:`~mlxd.engine.step.batch.DecodeBatch`) driven in a loop on
     this thread, greedy rows joined through one prompt pass as the engine joins them: the batch step with no
     engine thread, scheduler, event queue or client around it."""
     batch = joined_batch(model, prompts)
@@ -105,9 +105,9 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
 def joined_batch(model, prompts: list[list[int]]):
     """mlxd's decode batch with one greedy row per prompt, joined through one prompt pass as the engine joins them."""
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.batch import DecodeBatch
-    from mlxd.engine.prompts import process_prompt, process_prompts
-    from mlxd.engine.row import Row
+    from mlxd.engine.step.batch import DecodeBatch
+    from mlxd.engine.step.prompts import process_prompt, process_prompts
+    from mlxd.engine.step.row import Row
 
     rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
     batch = DecodeBatch(model)

@@ -157,9 +157,9 @@ def test_a_newcomer_joins_a_lone_stream_within_one_chunk_and_one_step(counted_en
     assert after[chunk_at + 1] == (2, 1)  # the very next step decodes both, emitting the newcomer's first token
 
 
-@pytest.mark.parametrize("bucket", [1, 16])  # 16: as on GPU backends (mlxd.engine.prompts.GROUP_BUCKET)
+@pytest.mark.parametrize("bucket", [1, 16])  # 16: as on GPU backends (mlxd.engine.step.prompts.GROUP_BUCKET)
 def test_short_prompts_arriving_together_share_one_forward_pass(reference, monkeypatch, bucket):
-    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: bucket)
+    monkeypatch.setattr("mlxd.engine.step.prompts.group_bucket", lambda: bucket)
     model, tokenizer = reference
     counting = CountingModel(model)
     engine = BatchedEngine(counting, EngineConfig(max_running=5, step_token_budget=256, prefill_chunk=64))
@@ -289,7 +289,7 @@ def test_prompts_starting_from_cached_states_of_different_lengths_continue_in_on
 
 
 def engine_processors(bias: dict[int, float]) -> list:
-    from mlxd.engine.sampling import make_request_processors
+    from mlxd.engine.step.sampling import make_request_processors
 
     return make_request_processors(SamplingParams(logit_bias=bias))
 
@@ -382,7 +382,7 @@ def run_all(engine: BatchedEngine, requests: list[EngineRequest]) -> list[list[i
 
 
 def test_rotating_cache_batched_equals_solo(reference):
-    from mlxd.engine.row import make_request_cache
+    from mlxd.engine.step.row import make_request_cache
 
     model, tokenizer = reference
     window, n = 32, 60

@@ -26,7 +26,7 @@ from mlxd.constraints import (
     make_grammar_processor,
 )
 from mlxd.constraints.schema import close_objects
-from mlxd.engine.row import logits_width
+from mlxd.engine.step.row import logits_width
 from mlxd.errors import RequestError
 
 SEEDS = range(20)

@@ -31,7 +31,7 @@ def test_the_operator_settings_win(on_cuda, monkeypatch):
     monkeypatch.setenv(cuda.GRAPH_CACHE, "123")
     cuda.prepare_cuda("text")
     assert cuda.os.environ[cuda.CUDNN_ATTENTION] == "1"
-    assert cuda.cudnn_attention()  # then verify passes are padded to repeat cuDNN's plans (mlxd.engine.padded)
+    assert cuda.cudnn_attention()  # then verify passes are padded to repeat cuDNN's plans (mlxd.engine.step.padded)
     assert cuda.os.environ[cuda.GRAPH_CACHE] == "123"
 
 

@@ -20,7 +20,7 @@ from mlxd.cache.prefix_cache import PrefixCache
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Token
 from mlxd.engine.batched import BatchedEngine
-from mlxd.engine.memory import MIN_CACHE_BYTES, MemoryBudget, measure_kv_cost, measure_memory
+from mlxd.engine.schedule.memory import MIN_CACHE_BYTES, MemoryBudget, measure_kv_cost, measure_memory
 from mlxd.errors import RequestError
 from tests.helpers import app_client, write_config
 

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlxd.engine.padded import BUCKET, PaddedLayer, bucket, padded
+from mlxd.engine.step.padded import BUCKET, PaddedLayer, bucket, padded
 
 
 @pytest.fixture(scope="module")

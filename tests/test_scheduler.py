@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxd.engine.scheduler import Scheduler, SequenceState, prompts_to_batch
+from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, prompts_to_batch
 
 
 def seq(name: str, num_prompt: int, chunk: int = 8, max_tokens: int = 16, kv: int = 0) -> SequenceState:
@@ -37,7 +37,7 @@ def run_prompt(scheduler: Scheduler, limit: int = 100) -> list[list[tuple[str, i
 
 
 def test_scheduler_imports_no_mlx():
-    code = "import sys, mlxd.engine.scheduler; sys.exit('mlx.core' in sys.modules)"
+    code = "import sys, mlxd.engine.schedule.scheduler; sys.exit('mlx.core' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -4,8 +4,8 @@ measured cost of a verify step, or the acceptance rate before costs are known), 
 from __future__ import annotations
 
 from mlxd.engine.base import Speculative
-from mlxd.engine.speculation import SpecState
-from mlxd.engine.stepcosts import StepCosts
+from mlxd.engine.speculative.state import SpecState
+from mlxd.engine.step.stepcosts import StepCosts
 
 
 class Named:
@@ -74,7 +74,7 @@ def test_a_batch_speculates_only_when_its_rows_together_gain_more_than_every_row
     plain rows (1 token each) make 8 tokens where 4 x 1.8 = 7.2 are paid; at half acceptance, 4.94 do not."""
     from types import SimpleNamespace
 
-    from mlxd.engine.spec_step import batch_pays
+    from mlxd.engine.speculative.step import batch_pays
 
     def batch(acceptance: float):
         drafting = state()
@@ -100,8 +100,8 @@ def test_greedy_verification_picks_what_plain_decoding_picks_on_near_tied_bfloat
     import mlx.core as mx
 
     from mlxd.engine.base import SamplingParams
-    from mlxd.engine.sampling import make_request_sampler
-    from mlxd.engine.speculation import verify
+    from mlxd.engine.speculative.state import verify
+    from mlxd.engine.step.sampling import make_request_sampler
 
     logits = (0.02 * mx.random.normal((6, 151936), key=mx.random.key(3))).astype(mx.bfloat16)
     plain = make_request_sampler(SamplingParams(temperature=0.0))

@@ -21,7 +21,7 @@ from mlxd.engine.base import EngineRequest, Failed, Finished, Plain, SamplingPar
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.drafters.draft_model import DraftModelDrafter
 from mlxd.engine.drafters.prompt_lookup import PromptLookupDrafter
-from mlxd.engine.row import logits_width
+from mlxd.engine.step.row import logits_width
 from mlxd.testing.oracle_drafter import OracleDrafter
 from mlxd.testing.tiny import tiny_model_cached
 
@@ -133,11 +133,11 @@ def test_an_unrelated_drafter_still_gives_the_plain_output(target, unrelated, pl
         engine.stop()
 
 
-@pytest.mark.parametrize("bucket", [1, 16])  # 16: prompts padded as on GPU backends (mlxd.engine.prompts)
+@pytest.mark.parametrize("bucket", [1, 16])  # 16: prompts padded as on GPU backends (mlxd.engine.step.prompts)
 def test_speculative_and_plain_rows_decode_together_as_they_do_alone(target, unrelated, plain_outputs, monkeypatch,
                                                                      bucket):
     """4 speculative rows (a drafter that is often wrong, so acceptance is ragged) and 4 plain rows at once."""
-    monkeypatch.setattr("mlxd.engine.prompts.group_bucket", lambda: bucket)
+    monkeypatch.setattr("mlxd.engine.step.prompts.group_bucket", lambda: bucket)
     model, tokenizer = target
     engine = start(model, DraftModelDrafter(unrelated), adaptive=False)
     try:
@@ -261,12 +261,12 @@ def test_long_ragged_generation_compacts_the_batch_and_keeps_the_plain_output(ta
 def test_verify_passes_over_padded_caches_give_the_plain_output(target, unrelated, plain_outputs, monkeypatch):
     """What CUDA runs (mlxd/engine/padded.py: attention over a bucket of key positions, masked), forced here: the
     same tokens as plain decoding, alone (every draft accepted) and batched with ragged acceptance."""
-    import mlxd.engine.target
-    from mlxd.engine.padded import padded
+    import mlxd.engine.step.target
+    from mlxd.engine.step.padded import padded
 
-    monkeypatch.setattr(mlxd.engine.target, "pad_verify", lambda: True)
+    monkeypatch.setattr(mlxd.engine.step.target, "pad_verify", lambda: True)
     calls = []
-    monkeypatch.setattr(mlxd.engine.target, "padded", lambda cache: calls.append(1) or padded(cache))
+    monkeypatch.setattr(mlxd.engine.step.target, "padded", lambda cache: calls.append(1) or padded(cache))
     model, tokenizer = target
     engine = start(model, DraftModelDrafter(model), adaptive=False)
     try:

@@ -14,10 +14,10 @@ from mlx.utils import tree_flatten
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.batched import BatchedEngine
-from mlxd.engine.memory import weights_bytes
-from mlxd.engine.prompts import can_batch_prompts
-from mlxd.engine.row import Row
-from mlxd.engine.vision import VisionPrefill
+from mlxd.engine.schedule.memory import weights_bytes
+from mlxd.engine.step.prompts import can_batch_prompts
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.vision import VisionPrefill
 from tests.test_batched_engine import collect_tokens
 from tests.test_vision_engine import Prompts, loaded_model, request
 

@@ -14,8 +14,8 @@ import pytest
 from mlxd.config.schema import EngineConfig, ModelConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.batched import BatchedEngine
-from mlxd.engine.row import Row
-from mlxd.engine.vision import VisionPrefill
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.vision import VisionPrefill
 from mlxd.media.images import decode_image
 from mlxd.models.load import load
 from mlxd.models.vlm import VisionLanguageModel

@@ -15,10 +15,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import DecodeBatch
-from mlxd.engine.prompts import process_prompt
-from mlxd.engine.row import Row
-from mlxd.engine.warmup import warm_up_shapes
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.prompts import process_prompt
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.warmup import warm_up_shapes
 
 MAX_RUNNING = 5
 CHUNK = 32
@@ -110,8 +110,8 @@ def test_verify_warm_up_runs_every_batch_size_and_width_over_two_buckets(tiny_mo
     from mlx_lm import load
 
     from mlxd.config.schema import EngineConfig, SpeculativeConfig
-    from mlxd.engine.padded import BUCKET
-    from mlxd.engine.warmup import VERIFY_BUCKETS, warm_up_verify
+    from mlxd.engine.step.padded import BUCKET
+    from mlxd.engine.step.warmup import VERIFY_BUCKETS, warm_up_verify
 
     model, _ = load(str(tiny_model_dir))
     config = EngineConfig(max_running=3, speculative=SpeculativeConfig(drafter="prompt_lookup", k=2))

@@ -34,13 +34,16 @@ from mlxd.engine.base import (
     SamplingParams,
     Speculative,
 )
-from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.front import Submitted
 from mlxd.engine.intake import Intake
-from mlxd.engine.memory import measure_memory
 from mlxd.engine.prefix import is_trimmable
-from mlxd.engine.prompts import (
+from mlxd.engine.schedule.memory import measure_memory
+from mlxd.engine.schedule.scheduler import SequenceState, StepPlan, prompts_to_batch
+from mlxd.engine.speculative.state import SpecState
+from mlxd.engine.speculative.step import check_drafter
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.prompts import (
     can_batch_prompts,
     can_batch_vision_prompts,
     can_continue_together,
@@ -49,14 +52,18 @@ from mlxd.engine.prompts import (
     process_prompts,
     process_vision_prompts,
 )
-from mlxd.engine.row import Refused, Row, check_request, logits_width, make_request_cache, reset_random_state
-from mlxd.engine.sampling import make_request_sampler
-from mlxd.engine.scheduler import SequenceState, StepPlan, prompts_to_batch
-from mlxd.engine.spec_step import check_drafter
-from mlxd.engine.speculation import SpecState
-from mlxd.engine.steptimes import StepTimes
-from mlxd.engine.vision import VisionPrefill
-from mlxd.engine.warmup import warm_up_shapes, warm_up_verify
+from mlxd.engine.step.row import (
+    Refused,
+    Row,
+    check_request,
+    logits_width,
+    make_request_cache,
+    reset_random_state,
+)
+from mlxd.engine.step.sampling import make_request_sampler
+from mlxd.engine.step.steptimes import StepTimes
+from mlxd.engine.step.vision import VisionPrefill
+from mlxd.engine.step.warmup import warm_up_shapes, warm_up_verify
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
@@ -68,7 +75,7 @@ class BatchedEngine(Intake):
     # A group of prompts whose shared pass failed is retried one prompt at a time (not in a distributed group,
     # where the other ranks cannot follow a retry).
     _retry_groups = True
-    # Images are encoded on a thread of their own while the engine steps (:mod:`mlxd.engine.encoder`); not in a
+    # Images are encoded on a thread of their own while the engine steps (:mod:`mlxd.engine.step.encoder`); not in a
     # distributed group, whose ranks must run the same work in the same step.
     _encode_beside = True
 
@@ -128,7 +135,7 @@ class BatchedEngine(Intake):
             self._send()
 
     def _warm_up(self) -> None:
-        """Measure what admission counts (the weights and a request's cache, :mod:`mlxd.engine.memory`) and the
+        """Measure what admission counts (the weights and a request's cache, :mod:`mlxd.engine.schedule.memory`) and the
         logits width, then run the shapes serving will use (:func:`warm_up_shapes`)."""
         self.memory = measure_memory(self.model, limit_bytes=self.config.memory_limit_bytes,
                                      max_kv_size=self.config.max_kv_size)

@@ -34,7 +34,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import DistributedConfig, EngineConfig
-from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.front import Submitted
 from mlxd.engine.group import (
@@ -52,8 +51,9 @@ from mlxd.engine.group import (
     Stop,
     Submit,
 )
-from mlxd.engine.row import Refused
-from mlxd.engine.scheduler import SequenceState, StepPlan
+from mlxd.engine.schedule.scheduler import SequenceState, StepPlan
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.row import Refused
 from mlxd.errors import DistributedFault
 from mlxd.log import get_logger
 

@@ -18,9 +18,9 @@ import mlx.core as mx
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle
-from mlxd.engine.memory import MemoryBudget, memory_status, require_fits
 from mlxd.engine.prefix import PromptReuse
-from mlxd.engine.scheduler import Scheduler, SequenceState
+from mlxd.engine.schedule.memory import MemoryBudget, memory_status, require_fits
+from mlxd.engine.schedule.scheduler import Scheduler, SequenceState
 from mlxd.errors import NotReady, Overloaded
 
 

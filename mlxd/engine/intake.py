@@ -1,6 +1,6 @@
 """How requests come in, on the engine thread: the inbox's commands (submit, cancel, abort, clear the prefix cache,
 encoded images) applied between steps, and a submitted request taken on: its prompt started after the longest
-state the prefix cache holds for it, and its images handed to the encoder thread (:mod:`mlxd.engine.encoder`)
+state the prefix cache holds for it, and its images handed to the encoder thread (:mod:`mlxd.engine.step.encoder`)
 before the scheduler may admit it. :class:`~mlxd.engine.batched.BatchedEngine` builds the rows (``_new_row``) and
 runs the steps.
 """
@@ -14,11 +14,11 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.base import Plain
-from mlxd.engine.encoder import Encoded
 from mlxd.engine.front import Submitted
 from mlxd.engine.outcomes import Outcomes
-from mlxd.engine.row import Row
-from mlxd.engine.vision import VisionPrefill, prompt_key
+from mlxd.engine.step.encoder import Encoded
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.vision import VisionPrefill, prompt_key
 
 
 class Intake(Outcomes):

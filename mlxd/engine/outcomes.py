@@ -14,9 +14,9 @@ from typing import Any
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Finished, RequestHandle, Token
-from mlxd.engine.batch import DecodeBatch
 from mlxd.engine.front import EngineFront, Submitted
-from mlxd.engine.row import Refused, Row, reset_random_state
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.row import Refused, Row, reset_random_state
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")

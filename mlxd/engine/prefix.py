@@ -35,7 +35,7 @@ class PromptReuse:
     def lookup(self, prompt: Sequence[int]) -> Hit:
         """The longest state worth reusing: one that covers at least ``min_tokens``. A shorter one (a chat
         template's first tokens, a short system prompt) saves less than it costs: a prompt that starts from a cached
-        state runs its rest in a pass with other such rests (:func:`mlxd.engine.prompts.process_continuations`),
+        state runs its rest in a pass with other such rests (:func:`mlxd.engine.step.prompts.process_continuations`),
         not in one pass with the whole prompts arriving with it."""
         return self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS
 

@@ -2,7 +2,7 @@
 
 :func:`make_mtp_drafter` loads the head from the served checkpoint; the engine gets the hidden states it reads from
 the vision wrapper's ``forward_hidden`` (prompt chunks, plain steps) and ``verify_forward`` (verify steps), through
-:mod:`mlxd.engine.target`.
+:mod:`mlxd.engine.step.target`.
 
 What the head computes. For sequence position ``t`` it takes a pair: the target's final hidden state at ``t``
 (``h_t``, after the model's final RMSNorm) and the embedding of the token at ``t + 1``; ``fc`` mixes the two, one

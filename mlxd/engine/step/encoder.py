@@ -8,7 +8,7 @@ inbox. On a GPU the tower's kernels then run while the engine builds its decode 
 
 MLX allows this since 0.31.2: every thread evaluates on its own streams, and an array crosses threads only once it
 is evaluated (the model's weights one way, the features the other). Everything else stays on the engine thread:
-the feature cache, the scheduler, which request waits for which image (:class:`mlxd.engine.vision.VisionPrefill`).
+the feature cache, the scheduler, which request waits for which image (:class:`mlxd.engine.step.vision.VisionPrefill`).
 """
 
 from __future__ import annotations

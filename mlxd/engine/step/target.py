@@ -5,7 +5,7 @@ A model is called as mlx-lm calls it, ``model(inputs, cache=cache, **kwargs)``. 
 wrapper (:class:`mlxd.models.vlm.VisionLanguageModel`): ``forward_hidden`` (the last hidden states, which MTP heads
 read) and, for language models that verify speculative blocks themselves (Qwen3.5), ``verify_forward``. Every other
 model's verify pass is its ordinary call inside mlx-vlm's ``start_speculative_cache`` transaction, with its
-attention caches padded on CUDA (:mod:`mlxd.engine.padded`).
+attention caches padded on CUDA (:mod:`mlxd.engine.step.padded`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import start_speculative_cache
 
-from mlxd.engine.padded import pad_verify, padded
+from mlxd.engine.step.padded import pad_verify, padded
 
 
 def forward(model: Any, inputs: mx.array, cache: list[Any], *, hidden: bool = False,

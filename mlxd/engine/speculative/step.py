@@ -23,14 +23,14 @@ from mlx_vlm.speculative.cache_state import iter_leaf_caches
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.drafters.base import DraftRow
-from mlxd.engine.logprobs import block_logprobs, read_logprobs
-from mlxd.engine.speculation import DraftTimer, num_accepted, verify
-from mlxd.engine.target import verify as verify_forward
+from mlxd.engine.speculative.state import DraftTimer, num_accepted, verify
+from mlxd.engine.step.logprobs import block_logprobs, read_logprobs
+from mlxd.engine.step.target import verify as verify_forward
 from mlxd.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mlxd.engine.batch import DecodeBatch
-    from mlxd.engine.row import Row
+    from mlxd.engine.step.batch import DecodeBatch
+    from mlxd.engine.step.row import Row
 
 
 def draft_lengths(batch: DecodeBatch) -> list[int] | None:

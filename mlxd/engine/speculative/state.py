@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxd.engine.base import SamplingParams, Speculative
-from mlxd.engine.stepcosts import StepCosts
+from mlxd.engine.step.stepcosts import StepCosts
 
 # Back-off: after a pause the row drafts again; each further back-off doubles the pause, up to this many steps.
 _MAX_PAUSE = 256

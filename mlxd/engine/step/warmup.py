@@ -2,8 +2,8 @@
 
 MLX's GPU backends build kernels, compiled graphs and matmul plans the first time they meet a shape or kind of pass
 (the CUDA backend compiles kernels with NVRTC, and keeps them on disk for later processes). :func:`warm_up_shapes`
-meets them beforehand, through the same functions serving calls (:mod:`mlxd.engine.prompts`,
-:mod:`mlxd.engine.batch`), so what it warms is what serving runs. On an H100 with an empty kernel cache (Qwen3-8B
+meets them beforehand, through the same functions serving calls (:mod:`mlxd.engine.step.prompts`,
+:mod:`mlxd.engine.step.batch`), so what it warms is what serving runs. On an H100 with an empty kernel cache (Qwen3-8B
 shape, bf16), the first 8-stream pass after ``/health`` turned 200 ran at 0.20x the aggregate tokens/s of the next
 pass when warm-up covered only decode batches of powers of two and one prompt chunk; 1.04x with this warm-up
 (``benchmarks/load.py``, "first pass after ready").
@@ -18,9 +18,9 @@ from mlx_lm.models.cache import KVCache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batch import DecodeBatch
-from mlxd.engine.padded import BUCKET, pad_verify
-from mlxd.engine.prompts import (
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.padded import BUCKET, pad_verify
+from mlxd.engine.step.prompts import (
     GROUP_BUCKET,
     can_batch_prompts,
     can_continue_together,
@@ -28,8 +28,8 @@ from mlxd.engine.prompts import (
     process_prompt,
     process_prompts,
 )
-from mlxd.engine.row import Row, make_request_cache
-from mlxd.engine.target import verify
+from mlxd.engine.step.row import Row, make_request_cache
+from mlxd.engine.step.target import verify
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
 # On GPU backends groups are padded to multiples of GROUP_BUCKET (16) positions: these are the widths of groups of

@@ -8,7 +8,7 @@ rotating layer grows until its window is full. Only graph shapes are read: nothi
 
 What a request reserves is what its cache can grow to, prompt + ``max_tokens``, rounded up to the 256-token step in
 which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``), so
-the scheduler counts ``rows x the largest reservation`` rather than the sum (see ``mlxd.engine.scheduler``).
+the scheduler counts ``rows x the largest reservation`` rather than the sum (see ``mlxd.engine.schedule.scheduler``).
 Not counted: transient copies while a row joins or leaves the batch, activations, sampler buffers, and snapshots
 the prefix cache takes during a step (it is shrunk back at the start of the next one). Leave headroom for them in
 ``memory_limit_bytes``; the CPU default keeps a quarter of RAM free.
@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxd.engine.row import make_request_cache
+from mlxd.engine.step.row import make_request_cache
 from mlxd.errors import ConfigError, RequestError
 
 # Without a device that reports a working set: this share of physical RAM (the OS, the Python heap and MLX's

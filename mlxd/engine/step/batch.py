@@ -1,15 +1,15 @@
 """The MLX side of the batching engine: the batched decode step.
 
-When its prompt is in (:mod:`mlxd.engine.prompts`), a request's cache joins the :class:`DecodeBatch`, which advances
+When its prompt is in (:mod:`mlxd.engine.step.prompts`), a request's cache joins the :class:`DecodeBatch`, which advances
 every decoding request by one token per forward pass, or, for speculative rows with drafts, by the drafts the
-model keeps (:mod:`mlxd.engine.spec_step`).
+model keeps (:mod:`mlxd.engine.speculative.step`).
 
 The batch composes mlx-lm's cache protocol and nothing private: per layer, ``merge`` builds a left-padded batched
 cache (``BatchKVCache``, ``BatchRotatingKVCache``, ``ArraysCache`` for recurrent layers), ``extend`` adds a row,
 ``filter`` drops rows and ``extract`` takes one back out. A batch of one keeps the request's own cache and calls the
 model exactly as ``generate_step`` does (no mask, no padding), so a lone stream runs at its speed.
 
-Failures stay with their row where they can: ``check_request`` (:mod:`mlxd.engine.row`) keeps token ids outside the
+Failures stay with their row where they can: ``check_request`` (:mod:`mlxd.engine.step.row`) keeps token ids outside the
 vocabulary away from MLX, and a decode step whose grouped sampling raises samples row by row, recording the rows that
 fail again in :attr:`DecodeBatch.errors` for the engine to end. A raising compiled sampler can leave MLX's global
 random state pointing at a broken array; ``reset_random_state`` replaces it.
@@ -23,12 +23,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engine.logprobs import capture_logprobs, read_logprobs
-from mlxd.engine.prompts import same, sample
-from mlxd.engine.row import Row, reset_random_state
-from mlxd.engine.spec_step import draft, draft_lengths, speculative_step
-from mlxd.engine.stepcosts import StepCosts
-from mlxd.engine.target import forward
+from mlxd.engine.speculative.step import draft, draft_lengths, speculative_step
+from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
+from mlxd.engine.step.prompts import same, sample
+from mlxd.engine.step.row import Row, reset_random_state
+from mlxd.engine.step.stepcosts import StepCosts
+from mlxd.engine.step.target import forward
 
 
 class DecodeBatch:
@@ -69,7 +69,7 @@ class DecodeBatch:
         return [row.request_id for row in self.rows]
 
     def add(self, row: Row, first_token: mx.array) -> None:
-        """Join a row whose prompt is processed; ``first_token`` is what :func:`~mlxd.engine.prompts.process_prompt` sampled."""
+        """Join a row whose prompt is processed; ``first_token`` is what :func:`~mlxd.engine.step.prompts.process_prompt` sampled."""
         cache, row.cache = row.cache, []
         if not self.rows:
             self.cache, self.inputs, self.rows = cache, first_token.reshape(1), [row]
@@ -78,7 +78,7 @@ class DecodeBatch:
         self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
 
     def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
-        """Join rows processed together by :func:`~mlxd.engine.prompts.process_prompts` (``cache`` in batched form)."""
+        """Join rows processed together by :func:`~mlxd.engine.step.prompts.process_prompts` (``cache`` in batched form)."""
         if not self.rows and len(rows) == 1:
             self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
             self._rows_changed()
@@ -144,7 +144,7 @@ class DecodeBatch:
         Plain rows emit one token a step: the one fed into the forward pass just dispatched, sampled by the previous
         step (or by prompt processing), so that evaluating it overlaps with the computation (pipelined like
         ``generate_step``). When a speculative row has drafted tokens, the step verifies them instead
-        (:func:`mlxd.engine.spec_step.speculative_step`): each row emits its fed token and the drafts it kept.
+        (:func:`mlxd.engine.speculative.step.speculative_step`): each row emits its fed token and the drafts it kept.
 
         Raises when the shared work fails (the forward pass, evaluating the returned tokens): every row is lost.
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.

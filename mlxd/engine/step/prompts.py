@@ -4,7 +4,7 @@ Each request processes its prompt in chunks into a cache of its own (``make_prom
 uses): :func:`process_prompt`. Short prompts that arrive together go through one left-padded forward pass instead
 (:func:`process_prompts`); the rests of prompts that start from cached prefixes, and image prompts planned in the
 same step, through one right-padded pass (:func:`right_padded_pass`). Each returns the first generated token of
-its rows, sampled lazily, for :class:`mlxd.engine.batch.DecodeBatch` to take on.
+its rows, sampled lazily, for :class:`mlxd.engine.step.batch.DecodeBatch` to take on.
 
 Rows carry their own cache offsets (positions), so rows that need their own positions or input embeddings (vision
 prompts) fit the same decode step: only their prompt processing differs.
@@ -18,9 +18,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxd.engine.logprobs import capture_logprobs
-from mlxd.engine.row import Row
-from mlxd.engine.target import forward
+from mlxd.engine.step.logprobs import capture_logprobs
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.target import forward
 
 
 def same(tokens: mx.array) -> mx.array:
@@ -60,7 +60,7 @@ _LEFT_PADDABLE = (KVCache, RotatingKVCache, ArraysCache)
 # Whole prompts processed together are left-padded to a multiple of this many positions on GPU backends. MLX's CUDA
 # backend builds work for each new shape of a pass: on an H200 (Qwen3-8B shape) 16 prompts of 27 tokens took 73 ms
 # the first time and 30 ms after; each new (rows, length) pair paid 5-43 ms more once. Rounded lengths repeat,
-# and warm-up meets the first ones (:mod:`mlxd.engine.warmup`). On the CPU nothing is built per shape, and padding
+# and warm-up meets the first ones (:mod:`mlxd.engine.step.warmup`). On the CPU nothing is built per shape, and padding
 # would only add work.
 GROUP_BUCKET = 16
 

@@ -7,7 +7,7 @@ recently used first out): an image re-sent in a later turn, or after a different
 vision-tower call. Families whose image inputs cannot be split per image run the vision tower on every request
 (``mlxd.models.vlm`` lists the families that split).
 
-Images are encoded ahead of their prompts, beside the engine's steps (:mod:`mlxd.engine.encoder`): an accepted
+Images are encoded ahead of their prompts, beside the engine's steps (:mod:`mlxd.engine.step.encoder`): an accepted
 request whose images the feature cache lacks is held (:meth:`VisionPrefill.hold`; the scheduler does not admit it)
 until the encoder thread gives their features back (:meth:`VisionPrefill.take`). Should that fail, the request is
 admitted anyway and encodes its images as its prompt starts, where a failure ends that request only. Without the
@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.engine.base import EngineRequest
-from mlxd.engine.encoder import Encoded, ImageEncoder, Job, encode_images
+from mlxd.engine.step.encoder import Encoded, ImageEncoder, Job, encode_images
 
 
 def prompt_key(request: EngineRequest) -> list[int]:
@@ -86,7 +86,7 @@ class FeatureCache:
 
 class VisionPrefill:
     """Builds vision rows' prompts for a :class:`~mlxd.models.vlm.VisionLanguageModel`; with ``deliver``, encodes
-    images ahead on an :class:`~mlxd.engine.encoder.ImageEncoder` whose results ``deliver`` hands to the engine
+    images ahead on an :class:`~mlxd.engine.step.encoder.ImageEncoder` whose results ``deliver`` hands to the engine
     thread (which passes them to :meth:`take`)."""
 
     max_images_a_call = 16

@@ -13,8 +13,8 @@ import msgspec
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxd.engine.base import EngineRequest, SamplingParams
-from mlxd.engine.sampling import make_request_processors, make_request_sampler, sampler_group
-from mlxd.engine.speculation import SpecState
+from mlxd.engine.speculative.state import SpecState
+from mlxd.engine.step.sampling import make_request_processors, make_request_sampler, sampler_group
 
 # mx.random.seed takes an unsigned 64-bit integer.
 MAX_SEED = 2**64 - 1
@@ -37,7 +37,7 @@ class Row:
     num_logprobs: int | None = None
     # Those of the token sampled last (lazy arrays, see :func:`capture_logprobs`), until the step that feeds it in.
     pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
-    # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculation); None: plain.
+    # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculative.state); None: plain.
     spec: SpecState | None = None
     # For drafters that read the model's hidden states (MTP heads): those of the positions kept since the last draft.
     hidden: list[mx.array] = field(default_factory=list)
