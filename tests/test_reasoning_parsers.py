@@ -16,7 +16,12 @@ import pytest
 
 from mlxd.pipeline.events import ContentDelta, ReasoningDelta, ToolCallDelta
 from mlxd.pipeline.parsers.harmony import MARKERS, HarmonyParser, HarmonyReasoningParser
-from mlxd.pipeline.parsers.reasoning import REASONING_PARSERS, ThinkParser, detect_reasoning_parser
+from mlxd.pipeline.parsers.reasoning import (
+    REASONING_PARSERS,
+    SeedThinkParser,
+    ThinkParser,
+    detect_reasoning_parser,
+)
 from mlxd.testing.harmony_template import GPT_OSS_TEMPLATE
 from mlxd.testing.tiny import CHAT_TEMPLATE, build_tokenizer
 
@@ -262,7 +267,7 @@ def test_matches_and_detect() -> None:
         assert detect_reasoning_parser(template) is ThinkParser
     assert not any(p.matches(CHATML_TEMPLATE) for p in (ThinkParser, HarmonyParser, HarmonyReasoningParser))
     assert detect_reasoning_parser(CHATML_TEMPLATE) is None and detect_reasoning_parser(None) is None
-    assert REASONING_PARSERS == {"think": ThinkParser, "harmony": HarmonyReasoningParser}
+    assert REASONING_PARSERS == {"think": ThinkParser, "seed_oss": SeedThinkParser, "harmony": HarmonyReasoningParser}
 
 
 def test_opens_in_prompt_on_rendered_prompts(tokenizer: Any) -> None:

@@ -40,7 +40,7 @@ CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "um
 SINGLE_CALL = {"llama3.1", "gpt-oss"}
 NO_CONTENT = {"llama3.1", "mistral", "gpt-oss"}
 END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<｜end▁of▁sentence｜>", "<|endoftext|>",
-               "<|return|>", "<|end|>", "<|user|>")
+               "<|return|>", "<|end|>", "<|user|>", "<seed:eos>")
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCRIPTS: dict[str, Path] = {}  # family → the file its scripted model reads
 
@@ -141,7 +141,8 @@ def test_tool_calls_streamed_and_not_equal_the_rendered_calls(servers, family):
     streamed = [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())]
     assert streamed == calls
     assert "".join(text).strip() == content
-    for marker in ("<tool_call>", "<function=", "[TOOL_CALLS]", "tool▁call", "<|channel|>", "<arg_key>", '"name"'):
+    for marker in ("<tool_call>", "<function=", "[TOOL_CALLS]", "tool▁call", "<|channel|>", "<arg_key>", '"name"',
+                   "seed:tool_call"):
         assert marker not in "".join(text)
     assert finish == "tool_calls"
 
@@ -158,6 +159,7 @@ def test_a_call_to_a_tool_the_request_does_not_have_comes_back_as_text(servers):
 @pytest.mark.parametrize(("family", "text"), [
     ("qwen3", "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."),
     ("glm4.5", "\n<think>The user wants weather.</think>\nIt is sunny."),
+    ("seed_oss", "<seed:think>The user wants weather.</seed:think>\nIt is sunny."),
     ("gpt-oss", "<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>final"
                 "<|message|>It is sunny."),
 ])

@@ -50,6 +50,11 @@ def qwen3_coder(call: tuple[str, dict]) -> str:
     return f"<tool_call>\n<function={call[0]}>\n{params}</function>\n</tool_call>"
 
 
+def seed_oss(call: tuple[str, dict]) -> str:
+    params = "".join(f"<parameter={key}>{value}</parameter>\n" for key, value in call[1].items())
+    return f"<seed:tool_call>\n<function={call[0]}>\n{params}</function>\n</seed:tool_call>"
+
+
 def llama3(call: tuple[str, dict]) -> str:
     return f'{{"name": "{call[0]}", "parameters": {json.dumps(call[1])}}}'
 
@@ -100,6 +105,8 @@ CASES = [
          hermes(WEATHER, True) + "\n" + hermes(TIME, True), BEFORE, ("<tool_call>", "</tool_call>", '"name"')),
     Case("qwen3_coder", "qwen3_coder", BEFORE + qwen3_coder(WEATHER), qwen3_coder(WEATHER) + "\n" + qwen3_coder(TIME),
          BEFORE, ("<tool_call>", "<function=", "<parameter=", "</parameter>", "</function>", "</tool_call>")),
+    Case("seed_oss", "seed_oss", BEFORE + seed_oss(WEATHER), seed_oss(WEATHER) + "\n" + seed_oss(TIME), BEFORE,
+         ("<seed:tool_call>", "<function=", "<parameter=", "</parameter>", "</function>", "</seed:tool_call>")),
     Case("llama3", "llama3", llama3(WEATHER), llama3(WEATHER) + "; " + llama3(TIME), "", ('"name"', '"parameters"')),
     Case("llama3-python-tag", "llama3", "<|python_tag|>" + llama3(WEATHER),
          "<|python_tag|>" + llama3(WEATHER) + ";" + llama3(TIME), "", ("<|python_tag|>", '"name"')),
@@ -211,7 +218,7 @@ def test_plain_text_goes_out_at_once(parser_name: str) -> None:
     assert parser.finish() == [] and parser.num_calls == 0
 
 
-HELD = [("hermes", "<tool_c"), ("qwen3_coder", "<tool"), ("glm45", "<"), ("mistral", "[TOOL_CA"),
+HELD = [("hermes", "<tool_c"), ("qwen3_coder", "<tool"), ("seed_oss", "<seed:tool_"), ("glm45", "<"), ("mistral", "[TOOL_CA"),
         ("deepseek", "<｜tool▁ca"), ("pythonic", "<|python_st"), ("generic", "```js")]
 
 
@@ -242,6 +249,8 @@ def test_without_tools_everything_is_content(parser_name: str) -> None:
 UNKNOWN_CALLS = [
     ("hermes", BEFORE + hermes(UNKNOWN) + "\nDone."),
     ("qwen3_coder", BEFORE + qwen3_coder(UNKNOWN)),
+    ("seed_oss", BEFORE + seed_oss(UNKNOWN)),
+    ("seed_oss", BEFORE + qwen3_coder(WEATHER)),  # Qwen3-Coder's markers are text in Seed-OSS output
     ("llama3", llama3(UNKNOWN)),
     ("mistral", mistral(UNKNOWN)),
     ("mistral", f"[TOOL_CALLS][{mistral_item(UNKNOWN)}]"),
@@ -264,6 +273,8 @@ COMPLETE_UNTERMINATED = [
     ("hermes", hermes(WEATHER, True).removesuffix("}\n</tool_call>") + "}"),
     ("qwen3_coder", qwen3_coder(WEATHER).removesuffix("\n</tool_call>")),
     ("qwen3_coder", qwen3_coder(WEATHER).removesuffix("</function>\n</tool_call>")),
+    ("seed_oss", seed_oss(WEATHER).removesuffix("\n</seed:tool_call>")),
+    ("seed_oss", seed_oss(WEATHER).removesuffix("</function>\n</seed:tool_call>")),
     ("llama3", llama3(WEATHER).removesuffix("}")),
     ("mistral", f"[TOOL_CALLS][{mistral_item(WEATHER)}"),
     ("deepseek", CALLS_BEGIN + deepseek_v31(WEATHER).removesuffix(CALL_END)),
@@ -285,6 +296,7 @@ INCOMPLETE = [
     ("hermes", '<tool_call>\n{"name": "get_wea'),
     ("hermes", '<tool_call>\n{"arguments": {"city": "Pa'),
     ("qwen3_coder", "<tool_call>\n<function=get_wea"),
+    ("seed_oss", "<seed:tool_call>\n<function=get_wea"),
     ("llama3", '{"name": "get_weather", "param'),
     ("mistral", "[TOOL_CALLS]get_weather[AR"),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather"'),
@@ -320,10 +332,10 @@ TYPED = {"count": 3, "ratio": 0.5, "enabled": True, "strict": False, "options": 
          "zip": "12345", "version": "1.10", "note": "line one\nline two", "limit": None, "extra": 42}
 
 
-@pytest.mark.parametrize("parser_name", ["qwen3_coder", "glm45"])
+@pytest.mark.parametrize("parser_name", ["qwen3_coder", "seed_oss", "glm45"])
 def test_markup_values_are_typed_by_the_schema(parser_name: str) -> None:
-    text = qwen3_coder(("configure", TYPED_TEXT)) if parser_name == "qwen3_coder" else \
-        glm45(("configure", TYPED_TEXT))
+    writer = {"qwen3_coder": qwen3_coder, "seed_oss": seed_oss, "glm45": glm45}[parser_name]
+    text = writer(("configure", TYPED_TEXT))
     for pieces in ([text], list(text)):
         _, calls, _ = summarize(run(parser_name, pieces, tools=TYPED_TOOLS)[1])
         assert calls == [("configure", TYPED)]
@@ -341,6 +353,7 @@ def test_qwen3_coder_strips_one_newline_each_side_of_a_string() -> None:
 def test_registry_order_puts_specific_formats_first_and_generic_last() -> None:
     names = list(TOOL_PARSERS)
     assert names.index("qwen3_coder") < names.index("hermes") and names.index("glm45") < names.index("hermes")
+    assert names.index("seed_oss") < names.index("qwen3_coder")  # Seed-OSS templates show <function=...> too
     assert names.index("pythonic") < names.index("llama3") and names[-1] == "generic"
 
 
@@ -367,7 +380,8 @@ def hf_tokenizer() -> Any:
 
 
 END_OF_TURN = {"qwen3": "<|im_end|>", "qwen3_coder": "<|im_end|>", "llama3.1": "<|eot_id|>", "mistral": "</s>",
-               "deepseek_v3": "<｜end▁of▁sentence｜>", "deepseek_v3.1": "<｜end▁of▁sentence｜>", "glm4.5": None}
+               "deepseek_v3": "<｜end▁of▁sentence｜>", "deepseek_v3.1": "<｜end▁of▁sentence｜>", "glm4.5": None,
+               "seed_oss": "<seed:eos>"}
 
 
 @pytest.mark.parametrize("family", sorted(TOOL_TEMPLATES))

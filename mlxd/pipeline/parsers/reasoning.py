@@ -6,11 +6,16 @@ from a chat template (``reasoning_parser = "auto"``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mlxd.pipeline.events import ContentDelta, ReasoningDelta
 from mlxd.pipeline.parsers.base import ReasoningParser
 from mlxd.pipeline.parsers.harmony import HarmonyReasoningParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SEED_THINK_OPEN, SEED_THINK_CLOSE = "<seed:think>", "</seed:think>"
+# Seed-OSS's thinking-budget reports inside its reasoning; a prompt with a budget of 0 ends with one opened.
+SEED_BUDGET_OPEN = "<seed:cot_budget_reflect>"
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -33,6 +38,9 @@ class ThinkParser(ReasoningParser):
 
     name = "think"
     special_markers = (THINK_OPEN, THINK_CLOSE)
+    # The block's markers: a family that writes the same block with other markers subclasses with its own.
+    open_marker: ClassVar[str] = THINK_OPEN
+    close_marker: ClassVar[str] = THINK_CLOSE
 
     def __init__(self, in_reasoning: bool = False) -> None:
         super().__init__(in_reasoning)
@@ -42,14 +50,14 @@ class ThinkParser(ReasoningParser):
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
-        """Templates that mention ``<think>`` or ``</think>``."""
-        return THINK_OPEN in chat_template or THINK_CLOSE in chat_template
+        """Templates that mention the opening or the closing marker."""
+        return cls.open_marker in chat_template or cls.close_marker in chat_template
 
     @classmethod
     def opens_in_prompt(cls, prompt_text: str) -> bool:
-        """True when the prompt ends with ``<think>`` (whitespace after it allowed) that nothing closes."""
-        at = prompt_text.rfind(THINK_OPEN)
-        return at >= 0 and not prompt_text[at + len(THINK_OPEN) :].strip()
+        """True when the prompt ends with the opening marker (whitespace after it allowed) that nothing closes."""
+        at = prompt_text.rfind(cls.open_marker)
+        return at >= 0 and not prompt_text[at + len(cls.open_marker) :].strip()
 
     def feed(self, text: str) -> list[ContentDelta | ReasoningDelta]:
         self._buffer += text
@@ -71,23 +79,23 @@ class ThinkParser(ReasoningParser):
 
     def _decide_start(self) -> bool:
         """Whether the output opens a block; False while it cannot be told yet."""
-        stripped = self._buffer.lstrip()
-        if stripped.startswith(THINK_OPEN):
+        stripped, marker = self._buffer.lstrip(), self.open_marker
+        if stripped.startswith(marker):
             self.in_reasoning = True
-            self._buffer = stripped[len(THINK_OPEN) :]
-        elif not stripped or THINK_OPEN.startswith(stripped):
+            self._buffer = stripped[len(marker) :]
+        elif not stripped or marker.startswith(stripped):
             return False
         self._at_start = False
         return True
 
     def _reasoning(self, out: list[ContentDelta | ReasoningDelta]) -> None:
-        buffer = self._buffer
-        end = buffer.find(THINK_CLOSE)
+        buffer, marker = self._buffer, self.close_marker
+        end = buffer.find(marker)
         if end < 0:
-            end = len(buffer) - _partial_suffix(buffer, THINK_CLOSE)
+            end = len(buffer) - _partial_suffix(buffer, marker)
             self._buffer = buffer[end:]
         else:
-            self._buffer = buffer[end + len(THINK_CLOSE) :]
+            self._buffer = buffer[end + len(marker) :]
             self.in_reasoning, self._strip = False, True
         if end:
             out.append(ReasoningDelta(buffer[:end]))
@@ -103,18 +111,37 @@ class ThinkParser(ReasoningParser):
             self._buffer = ""
 
 
+class SeedThinkParser(ThinkParser):
+    """Seed-OSS reasoning: ``<seed:think>…</seed:think>``, read as :class:`ThinkParser` reads ``<think>``. The
+    budget reports the model writes inside the block (``<seed:cot_budget_reflect>…``) are part of its reasoning."""
+
+    name = "seed_oss"
+    special_markers = (SEED_THINK_OPEN, SEED_THINK_CLOSE)
+    open_marker = SEED_THINK_OPEN
+    close_marker = SEED_THINK_CLOSE
+
+    @classmethod
+    def opens_in_prompt(cls, prompt_text: str) -> bool:
+        """True when the prompt ends with ``<seed:think>`` that nothing closes, a budget report opened after it
+        allowed (the template's generation prompt for a thinking budget of 0)."""
+        at = prompt_text.rfind(SEED_THINK_OPEN)
+        rest = prompt_text[at + len(SEED_THINK_OPEN) :].strip() if at >= 0 else None
+        return rest is not None and rest.removeprefix(SEED_BUDGET_OPEN).strip() == ""
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     ThinkParser.name: ThinkParser,
+    SeedThinkParser.name: SeedThinkParser,
     HarmonyReasoningParser.name: HarmonyReasoningParser,
 }
 
 
 def detect_reasoning_parser(chat_template: str | None) -> type[ReasoningParser] | None:
-    """The reasoning parser whose format a chat template writes, or None. Harmony is checked first: its markers
-    are specific, while ``<think>`` may appear in any template's text."""
+    """The reasoning parser whose format a chat template writes, or None. Harmony and Seed-OSS are checked first:
+    their markers are specific, while ``<think>`` may appear in any template's text."""
     if not chat_template:
         return None
-    for parser in (HarmonyReasoningParser, ThinkParser):
+    for parser in (HarmonyReasoningParser, SeedThinkParser, ThinkParser):
         if parser.matches(chat_template):
             return parser
     return None

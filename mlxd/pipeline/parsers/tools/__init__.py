@@ -16,10 +16,12 @@ from mlxd.pipeline.parsers.tools.llama3 import Llama3JsonToolParser
 from mlxd.pipeline.parsers.tools.mistral import MistralToolParser
 from mlxd.pipeline.parsers.tools.pythonic import PythonicToolParser
 from mlxd.pipeline.parsers.tools.qwen3_coder import Qwen3CoderToolParser
+from mlxd.pipeline.parsers.tools.seed_oss import SeedOssToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls
     for cls in (
+        SeedOssToolParser,  # <seed:tool_call>, with Qwen3-Coder's <function=...> inside
         Qwen3CoderToolParser,  # <tool_call> with <function=...>
         Glm45ToolParser,  # <tool_call> with <arg_key>
         DeepSeekToolParser,

@@ -12,8 +12,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, END_FUNCTION = "<function=", "</function>"
 PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
 _MAX_NAME = 256
-_VALUE_ENDS = (END_PARAMETER, END_FUNCTION, CLOSE)
-_LONGEST_END = max(map(len, _VALUE_ENDS))
 
 
 class Qwen3CoderToolParser(StreamingToolParser):
@@ -22,6 +20,9 @@ class Qwen3CoderToolParser(StreamingToolParser):
 
     At the end of the stream: a call is closed with the parameters it has, unless the stream ended inside a
     parameter's value (its arguments then stay unterminated); a call with no complete ``<function=NAME>`` is content.
+
+    A format that wraps the same body in other markers (Seed-OSS) subclasses this with its own ``openers`` and
+    ``closers``.
     """
 
     name = "qwen3_coder"
@@ -34,6 +35,8 @@ class Qwen3CoderToolParser(StreamingToolParser):
         self._args: TypedArguments | None = None
         self._parameter = ""
         self._searched = 0  # how much of a value has been searched for its end
+        self._value_ends = (END_PARAMETER, END_FUNCTION, *self.closers.values())
+        self._longest_end = max(map(len, self._value_ends))
 
     @classmethod
     def matches(cls, chat_template: str) -> bool:
@@ -74,11 +77,11 @@ class Qwen3CoderToolParser(StreamingToolParser):
             return self._goto(self._value)
         pos = skip_ws(self._buf, 0)
         rest = self._buf[pos:]
-        if rest.startswith((END_FUNCTION, CLOSE)):
+        if rest.startswith((END_FUNCTION, self._closer)):
             self._arguments(self._args.close())
             self._consume(pos + (len(END_FUNCTION) if rest.startswith(END_FUNCTION) else 0))
             return self._goto(self._closing)
-        if tag is None or END_FUNCTION.startswith(rest) or CLOSE.startswith(rest):
+        if tag is None or END_FUNCTION.startswith(rest) or self._closer.startswith(rest):
             return False
         # Stray text inside the call is dropped, up to the next tag.
         skip = self._buf.find("<", pos + 1)
@@ -87,7 +90,7 @@ class Qwen3CoderToolParser(StreamingToolParser):
 
     def _value(self, final: bool) -> bool:
         assert self._args is not None
-        at, end = find_first(self._buf, _VALUE_ENDS, max(0, self._searched - _LONGEST_END))
+        at, end = find_first(self._buf, self._value_ends, max(0, self._searched - self._longest_end))
         if end is None:
             self._searched = len(self._buf)
             return False
