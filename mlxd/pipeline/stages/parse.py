@@ -3,7 +3,10 @@
 On the way in (``prepare``), it keeps the special tokens its parsers read out of ``detokenize``'s hands and, for
 ``tool_choice`` ``required`` or a named function and for ``response_format`` JSON, hands the engine a grammar as a
 logits-processor factory (:mod:`mlxd.constraints`). On the way out (``stream``), content goes through the reasoning
-parser, then the tool parser; a response with calls finishes as ``tool_calls``. Text completions pass through.
+parser, then the tool parser; a response with calls finishes as ``tool_calls``. A call the configured tool parser
+does not read but another known format does (Hermes JSON in Qwen3-Coder output, a bare JSON call) is recovered
+(:mod:`mlxd.pipeline.parsers.tools.fallback`). A named ``tool_choice`` or ``parallel_tool_calls: false`` keeps the
+first call only. Text completions pass through.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ import msgspec
 
 from mlxd.constraints import GrammarCompiler, make_constraint_factory
 from mlxd.errors import RequestError
-from mlxd.pipeline.events import ContentDelta, Done
+from mlxd.pipeline.events import ContentDelta, Done, ToolCallDelta
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.parsers.harmony import HarmonyParser
 from mlxd.pipeline.parsers.registry import reasoning_parser_for, tool_parser_for
+from mlxd.pipeline.parsers.tools.fallback import FallbackToolParser
+from mlxd.pipeline.parsers.tools.generic import GenericToolParser
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 
 class ParseConfig(NoOptions, frozen=True):
-    # "auto": the format the chat template uses; a registry name (hermes, qwen3_coder, llama3, mistral, deepseek,
-    # glm45, pythonic, harmony, generic); or "none".
+    # "auto": the format the chat template uses; a registry name (hermes, qwen3_coder, seed_oss, llama3, mistral,
+    # deepseek, glm45, pythonic, harmony, generic); or "none".
     tool_parser: str = "auto"
-    # "auto": the chat template's (think, harmony); a registry name; or "none".
+    # "auto": the chat template's (think, seed_oss, harmony); a registry name; or "none".
     reasoning_parser: str = "auto"
 
 
@@ -74,7 +79,9 @@ class Parse(Stage):
                 name = self.tool_cls.name if self.tool_cls else "none"
                 raise RequestError(f"tool_choice {job.tool_choice!r} is enforced for Hermes-format tool calls only; "
                                    f"this model's tool format is {name!r}", param="tool_choice")
-            return self.compiler.tool_call(job.tools, job.tool_choice, job.parallel_tool_calls)
+            # A named function is one call of it, whatever parallel_tool_calls says.
+            parallel = job.parallel_tool_calls and job.tool_choice == "required"
+            return self.compiler.tool_call(job.tools, job.tool_choice, parallel)
         fmt = job.response_format
         if fmt["type"] == "json_object":
             return self.compiler.json_object()
@@ -86,7 +93,7 @@ class Parse(Stage):
         reasoning, tools = (self._reasoning(job), self._tools(job)) if job.messages is not None else (None, None)
         if reasoning is None and tools is None:
             return events
-        return self._split(_Splitter(reasoning, tools), events)
+        return self._split(_Splitter(reasoning, tools, single_call=_single_call(job)), events)
 
     async def _split(self, split: _Splitter, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async with aclosing(events):
@@ -109,21 +116,32 @@ class Parse(Stage):
     def _tools(self, job: Job) -> Any:
         if self.tool_cls is None or not (job.tools or self.tool_cls is HarmonyParser):
             return None
-        return self.tool_cls(job.tools)
+        parser = self.tool_cls(job.tools)
+        # Calls in another known format are recovered, unless the content is meant to be JSON (response_format).
+        if job.tools and job.response_format is None and self.tool_cls not in (HarmonyParser, GenericToolParser):
+            return FallbackToolParser(parser, job.tools)
+        return parser
+
+
+def _single_call(job: Job) -> bool:
+    """Whether the response may hold one call only: a named ``tool_choice``, or ``parallel_tool_calls`` false."""
+    return bool(job.tools) and (isinstance(job.tool_choice, dict) or not job.parallel_tool_calls)
 
 
 class _Splitter:
-    """Content through the reasoning parser, then what stays content through the tool parser."""
+    """Content through the reasoning parser, then what stays content through the tool parser. With
+    ``single_call``, calls after the first are dropped (their markup never reaches content either)."""
 
-    def __init__(self, reasoning: Any, tools: Any) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: Any, tools: Any, single_call: bool = False) -> None:
+        self.reasoning, self.tools, self.single_call = reasoning, tools, single_call
 
     def feed(self, text: str) -> list[Any]:
         return self._tools(self.reasoning.feed(text) if self.reasoning else [ContentDelta(text)])
 
     def finish(self) -> list[Any]:
         out = self._tools(self.reasoning.finish()) if self.reasoning else []
-        return out + (self.tools.finish() if self.tools else [])
+        out += self.tools.finish() if self.tools else []
+        return [e for e in out if not isinstance(e, ToolCallDelta) or e.index == 0] if self.single_call else out
 
     def done(self, done: Done) -> Done:
         if self.tools is not None and self.tools.num_calls and done.finish_reason == "stop":
@@ -136,6 +154,8 @@ class _Splitter:
         out: list[Any] = []
         for event in events:
             out.extend(self.tools.feed(event.text) if isinstance(event, ContentDelta) else [event])
+        if self.single_call:
+            out = [e for e in out if not isinstance(e, ToolCallDelta) or e.index == 0]
         return out
 
 
