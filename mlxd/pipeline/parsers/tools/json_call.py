@@ -134,16 +134,18 @@ def read_call_head(text: str, pos: int, args_keys: tuple[str, ...] = ARGS_KEYS) 
     return name, pos
 
 
-def call_from_json(text: str, args_keys: tuple[str, ...] = ARGS_KEYS) -> tuple[str, dict[str, Any]] | None:
+def call_from_json(text: str, args_keys: tuple[str, ...] = ARGS_KEYS,
+                   require_arguments: bool = False) -> tuple[str, dict[str, Any]] | None:
     """The name and arguments of a call object's JSON text (keys in any order, arguments possibly a JSON string,
-    ``{"function": {...}}`` unwrapped); None when it is not one."""
+    ``{"function": {...}}`` unwrapped; without ``require_arguments``, no arguments key means none); None when it is
+    not one."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict) and "name" not in obj:
         obj = obj["function"]
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or (require_arguments and not any(k in obj for k in args_keys)):
         return None
     args = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
@@ -164,6 +166,8 @@ class JsonCallParser(StreamingToolParser):
     """
 
     args_keys: ClassVar[tuple[str, ...]] = ARGS_KEYS
+    # Whether an object with a name but no arguments key is a call (with none) or text.
+    require_arguments: ClassVar[bool] = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
@@ -217,7 +221,7 @@ class JsonCallParser(StreamingToolParser):
         if end is None:
             self._scanned = len(self._buf)
             return self._scanner.bad and self._reject()
-        call = call_from_json(self._buf[self._pos:end], self.args_keys)
+        call = call_from_json(self._buf[self._pos:end], self.args_keys, self.require_arguments)
         if call is None or call[0] not in self.tools:
             return self._reject(None if self._closer else end)
         self._announce(call[0])
