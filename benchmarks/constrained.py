@@ -26,7 +26,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlxd.config.schema import EngineConfig
 from mlxd.constraints import GrammarCompiler, make_constraint_factory
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 24},
                                                      "minItems": 400}},

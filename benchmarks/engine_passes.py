@@ -45,7 +45,7 @@ def one_start(path: str, streams: int, passes: int, max_tokens: int, with_probe:
     from step_breakdown import engine_run
 
     from mlxd.config.schema import EngineConfig, ModelConfig
-    from mlxd.engine.batched import BatchedEngine
+    from mlxd.engine.engine import BatchedEngine
     from mlxd.models.load import load
     from mlxd.runtime.heap import freeze_loaded_objects
 

@@ -28,7 +28,7 @@ from load import direct_generate_step, model_folder, pick_prompts, versions  # n
 
 def engine_for(model, drafter, max_running: int):
     from mlxd.config.schema import EngineConfig, SpeculativeConfig
-    from mlxd.engine.batched import BatchedEngine
+    from mlxd.engine.engine import BatchedEngine
 
     config = EngineConfig(max_running=max_running, warmup_tokens=2,
                           speculative=SpeculativeConfig(drafter=drafter.name, k=8, max_step_tokens=4096))

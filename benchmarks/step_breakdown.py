@@ -201,7 +201,7 @@ def main() -> None:
     from mlx_lm import load
 
     from mlxd.config.schema import EngineConfig
-    from mlxd.engine.batched import BatchedEngine
+    from mlxd.engine.engine import BatchedEngine
 
     path = model_folder(args.model, args.tiny)
     model, tokenizer = load(path)

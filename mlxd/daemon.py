@@ -113,11 +113,11 @@ class Daemon:
         loaded = load(self.config.model, self.base_dir, group=self.group)
         tokenizer = loaded.tokenizer
         if self.group is not None:
-            from mlxd.engine.distributed import LeaderEngine
-            from mlxd.engine.group import Channel
+            from mlxd.engine.distributed.channel import Channel
+            from mlxd.engine.distributed.leader import make_leader_engine
 
-            self.engine = LeaderEngine(loaded.model, self.config.engine, channel=Channel(self.group),
-                                       settings=self.config.distributed)
+            self.engine = make_leader_engine(loaded.model, self.config.engine, channel=Channel(self.group),
+                                             settings=self.config.distributed)
         else:
             drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
             self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
@@ -261,8 +261,8 @@ def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None)
     job ends through rank 0, which drains first and then tells every rank to stop."""
     import signal
 
-    from mlxd.engine.distributed import FollowerEngine
-    from mlxd.engine.group import Channel
+    from mlxd.engine.distributed.channel import Channel
+    from mlxd.engine.distributed.follower import Follower
     from mlxd.models.load import load
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -270,8 +270,8 @@ def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None)
     rank = group.rank()
     try:
         loaded = load(config.model, base_dir, group=group)
-        engine = FollowerEngine(loaded.model, config.engine, channel=Channel(group), settings=config.distributed)
-        code = engine.run()
+        follower = Follower(loaded.model, config.engine, channel=Channel(group), settings=config.distributed)
+        code = follower.run()
     except MlxdError as e:
         log.error("follower_failed", rank=rank, error=e.message)
         return 1

@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from tests.helpers import free_port, serve_subprocess, write_config
 
 PROMPTS = [

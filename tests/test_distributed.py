@@ -1,4 +1,4 @@
-"""`[distributed]`: one model over a tensor-parallel group, rank 0 serving (mlxd/engine/distributed.py).
+"""`[distributed]`: one model over a tensor-parallel group, rank 0 serving (mlxd/engine/distributed/).
 
 The group tests run two processes over MLX's ``ring`` backend on loopback, started as users start them
 (``mlxd launch --config FILE``, which runs ``mlx.launch``), and compare with one process serving the same model.
@@ -28,20 +28,9 @@ import pytest
 from mlxd.config import load_config
 from mlxd.config.schema import DistributedConfig, EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams
-from mlxd.engine.distributed import LeaderEngine
-from mlxd.engine.group import (
-    Clear,
-    Drop,
-    Keep,
-    Message,
-    RequestSpec,
-    Shrink,
-    Step,
-    Stop,
-    Submit,
-    _decoder,
-    _encoder,
-)
+from mlxd.engine.commands import Accept, Cancel, Clear, Drop, EndAll, Evict, Keep, RequestSpec, RunStep, Stop
+from mlxd.engine.distributed.channel import Message, _decoder, _encoder
+from mlxd.engine.distributed.leader import make_leader_engine
 from mlxd.errors import ConfigError, ModelLoadError
 from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
 
@@ -212,7 +201,8 @@ def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, 
     model, _ = load(str(tiny_qwen3_dir))
     channel = StuckChannel(broken)
     settings = DistributedConfig(backend="ring", tensor_parallel=2, step_timeout_s=1.0, heartbeat_s=0.2)
-    engine = LeaderEngine(model, EngineConfig(max_running=2, warmup_tokens=1), channel=channel, settings=settings)
+    engine = make_leader_engine(model, EngineConfig(max_running=2, warmup_tokens=1), channel=channel,
+                                settings=settings)
     failures: list[str] = []
     engine.on_failure = failures.append
     engine.start()
@@ -241,15 +231,15 @@ def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, 
         assert engine.failure == failures[0]
     finally:
         channel.released.set()
-        engine._inbox.put(("stop", None))
+        engine._inbox.put((Stop(), None))
         engine._thread.join(30)
         assert not engine._thread.is_alive()
 
 
 def test_messages_round_trip():
     spec = RequestSpec("r1", [1, 2, 3], 8, SamplingParams(temperature=0.5, logit_bias={4: -1.0}), 512, (2,), True)
-    message = Message([Submit(spec), Keep("r0"), Drop("r0"), Clear(), Shrink(1024), Stop()],
-                      Step([("r1", 3), ("r2", 5)], [["r1", "r2"]]), (1, 2, 3, 4, 5))
+    message = Message([Accept(spec), Cancel("r2", "stop"), Keep("r0"), Drop("r0"), Clear(), Evict(1024),
+                       EndAll("bye"), Stop()], RunStep([("r1", 3), ("r2", 5)], [["r1", "r2"]]), (1, 2, 3, 4, 5))
     assert _decoder.decode(_encoder.encode(message)) == message
     request = spec.request()
     assert request.prompt == [1, 2, 3] and request.sampling.logit_bias == {4: -1.0} and request.keep_prompt
@@ -257,7 +247,7 @@ def test_messages_round_trip():
 
 def test_share_tokens_gives_rank_0s_tokens_alone():
     """In a group of one, the share is the identity; the graph keeps the sampled array (not a constant)."""
-    from mlxd.engine.group import Channel
+    from mlxd.engine.distributed.channel import Channel
 
     channel = Channel(mx.distributed.init())
     tokens = mx.array([3, 9], dtype=mx.uint32)

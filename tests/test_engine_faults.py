@@ -26,7 +26,7 @@ from mlx_lm.generate import generate_step
 
 from mlxd.config.schema import DaemonConfig, EngineConfig, ModelConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.errors import EngineError, NotReady, Overloaded
 from mlxd.pipeline.events import KeepAlive

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "Hello", "The quick brown fox", "Rain fell softly",
            "1 2 3 4", "What is the capital of France?", "SELECT name FROM users"]

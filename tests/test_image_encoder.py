@@ -12,7 +12,7 @@ import pytest
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Finished, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.models.vlm import VisionLanguageModel
 from tests.test_batched_engine import collect_tokens
 from tests.test_vision_engine import Prompts, loaded_model, request

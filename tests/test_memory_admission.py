@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxd.cache.prefix_cache import PrefixCache
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.schedule.memory import MIN_CACHE_BYTES, MemoryBudget, measure_kv_cost, measure_memory
 from mlxd.errors import RequestError
 from tests.helpers import app_client, write_config

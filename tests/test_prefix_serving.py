@@ -11,7 +11,7 @@ from mlx_lm import load
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from tests.helpers import app_client, write_config
 from tests.test_batched_engine import CountingModel, solo_tokens
 

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Finished, SamplingParams, Token
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.step.batch import DecodeBatch
 from mlxd.engine.step.prompts import group_width, process_prompts
 from mlxd.engine.step.row import Row

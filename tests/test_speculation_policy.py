@@ -80,16 +80,16 @@ def test_a_batch_speculates_only_when_its_rows_together_gain_more_than_every_row
         drafting = state()
         drafting.acceptance = acceptance
         rows = [SimpleNamespace(spec=drafting)] + [SimpleNamespace(spec=None) for _ in range(3)]
-        return SimpleNamespace(rows=rows, costs=costs(plain_s=0.010, verify_s=0.018, width=5, batch_size=4))
+        return rows, costs(plain_s=0.010, verify_s=0.018, width=5, batch_size=4)
 
-    assert batch_pays(batch(1.0), [4, 0, 0, 0])
+    assert batch_pays(*batch(1.0), [4, 0, 0, 0])
     losing = batch(0.5)
-    assert not batch_pays(losing, [4, 0, 0, 0])
-    assert losing.rows[0].spec.reason == "the batch's drafts gain 1.23 tokens a row; a verify step costs 1.80 plain steps"
-    assert batch_pays(SimpleNamespace(rows=losing.rows, costs=StepCosts()), [4, 0, 0, 0])  # unknown: measure it
+    assert not batch_pays(*losing, [4, 0, 0, 0])
+    assert losing[0][0].spec.reason == "the batch's drafts gain 1.23 tokens a row; a verify step costs 1.80 plain steps"
+    assert batch_pays(losing[0], StepCosts(), [4, 0, 0, 0])  # unknown: measure it
     fixed = batch(0.5)
-    fixed.rows[0].spec.adaptive = False
-    assert batch_pays(fixed, [4, 0, 0, 0])  # a row drafting a fixed k (adaptive off) always drafts
+    fixed[0][0].spec.adaptive = False
+    assert batch_pays(*fixed, [4, 0, 0, 0])  # a row drafting a fixed k (adaptive off) always drafts
 
 
 def test_greedy_verification_picks_what_plain_decoding_picks_on_near_tied_bfloat16_logits():

@@ -18,9 +18,9 @@ from mlx_lm import load
 
 from mlxd.config.schema import EngineConfig, SpeculativeConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Plain, SamplingParams, Speculative, Token
-from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.drafters.draft_model import DraftModelDrafter
 from mlxd.engine.drafters.prompt_lookup import PromptLookupDrafter
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.step.row import logits_width
 from mlxd.testing.oracle_drafter import OracleDrafter
 from mlxd.testing.tiny import tiny_model_cached
@@ -251,7 +251,7 @@ def test_long_ragged_generation_compacts_the_batch_and_keeps_the_plain_output(ta
     engine = start(model, OracleDrafter(spoiled), adaptive=False)
     try:
         results = run(engine, batch)
-        assert engine.batch._ragged < 64 * 4  # reset by a compaction on the way (384 positions were added)
+        assert engine.core.runner.batch._ragged < 64 * 4  # reset by a compaction on the way (384 positions were added)
     finally:
         engine.stop()
     assert [ids(r) for r in results] == expected

@@ -16,8 +16,8 @@ import pytest
 
 from mlxd.config.schema import EngineConfig, SpeculativeConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Plain, Speculative, Token
-from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.drafters.mtp import make_mtp_drafter
+from mlxd.engine.engine import BatchedEngine
 from mlxd.models.vlm import VisionLanguageModel
 from mlxd.testing.oracle_drafter import OracleDrafter
 from mlxd.testing.tiny_hybrid import tiny_qwen3_5_mtp_cached

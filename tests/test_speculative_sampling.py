@@ -20,8 +20,8 @@ from scipy.stats import chisquare
 
 from mlxd.config.schema import EngineConfig, SpeculativeConfig
 from mlxd.engine.base import EngineRequest, Finished, Plain, SamplingParams, Speculative, Token
-from mlxd.engine.batched import BatchedEngine
 from mlxd.engine.drafters.draft_model import DraftModelDrafter
+from mlxd.engine.engine import BatchedEngine
 
 VOCAB = 16
 PROMPT = [3, 1, 4, 1, 5]

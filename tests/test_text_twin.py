@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.schedule.memory import weights_bytes
 from mlxd.engine.step.prompts import can_batch_prompts
 from mlxd.engine.step.row import Row

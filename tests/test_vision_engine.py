@@ -13,7 +13,7 @@ import pytest
 
 from mlxd.config.schema import EngineConfig, ModelConfig
 from mlxd.engine.base import EngineRequest, SamplingParams
-from mlxd.engine.batched import BatchedEngine
+from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.step.row import Row
 from mlxd.engine.step.vision import VisionPrefill
 from mlxd.media.images import decode_image

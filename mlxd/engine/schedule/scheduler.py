@@ -71,8 +71,9 @@ class SequenceState:
     def next_chunk(self) -> int:
         return min(self.prefill_chunk, self.num_prompt_remaining)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The JSON-able view ``GET /v1/status`` shows for this request."""
+    def snapshot(self, prompt: bool = False) -> dict[str, Any]:
+        """The JSON-able view ``GET /v1/status`` shows for this request; its rendered prompt (clipped) only when
+        ``prompt`` asks for it."""
         now = time.monotonic()
         first = self.first_token_at
         elapsed = now - first if first is not None else 0.0
@@ -80,7 +81,7 @@ class SequenceState:
             "request_id": self.request_id,
             "phase": "encoding" if self.encoding else self.phase,
             "route": self.route,
-            "prompt": _clip(self.prompt_text),
+            **({"prompt": _clip(self.prompt_text)} if prompt else {}),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_prefilled_tokens": self.num_prefilled,
             "cache_hit": {"kind": self.cache_hit, "num_tokens": self.num_cached_tokens},
@@ -198,6 +199,14 @@ class Scheduler:
         sequence.phase = "prefill"
         self.running.append(sequence)
         return sequence
+
+    def start(self, sequence: SequenceState) -> None:
+        """Run a waiting request now, as a plan made elsewhere says (a distributed leader's, a replayed one);
+        one admitted already stays where it is."""
+        if sequence.phase == "waiting":
+            self.waiting.remove(sequence)
+            sequence.phase = "prefill"
+            self.running.append(sequence)
 
     def schedule(self) -> StepPlan:
         """Plan the next step: every decoding sequence, then prompt chunks within the token budget.

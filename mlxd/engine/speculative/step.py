@@ -15,6 +15,7 @@ depends on how many drafts were kept.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -25,57 +26,110 @@ from mlxd.config.schema import EngineConfig
 from mlxd.engine.drafters.base import DraftRow
 from mlxd.engine.speculative.state import DraftTimer, num_accepted, verify
 from mlxd.engine.step.logprobs import block_logprobs, read_logprobs
+from mlxd.engine.step.stepcosts import StepCosts
 from mlxd.engine.step.target import verify as verify_forward
 from mlxd.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mlxd.engine.step.batch import DecodeBatch
     from mlxd.engine.step.row import Row
 
 
-def draft_lengths(batch: DecodeBatch) -> list[int] | None:
-    """How many tokens each row drafts this step (0 for plain rows and rows that pause: this counts their pause
-    down), or None when no row drafts or the batch's expected gain does not pay for a verify step
-    (:func:`batch_pays`). Needs no token of the step: a batch that will not verify keeps its pipelined plain step
-    (reading the fed tokens back first would stall it)."""
-    lengths = [row.spec.draft_length(len(batch.rows), batch.costs) if row.spec is not None else 0
-               for row in batch.rows]
-    return lengths if any(lengths) and batch_pays(batch, lengths) else None
+@dataclass(slots=True)
+class Verified:
+    """What a verify step gives back to the decode batch."""
+
+    emitted: list[list[int]]  # each row's fed token and the drafts it kept
+    inputs: mx.array  # each row's next input: the token after its emitted ones
+    kept: list[int]  # positions each row kept (1 + accepted drafts)
+    hidden: mx.array | None  # the pass's hidden states, for rows that draft from them
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]  # rows that asked, one per emitted token
+    waited_s: float  # spent waiting for the device
 
 
-def draft(batch: DecodeBatch, fed: list[int], lengths: list[int]) -> list[list[int]]:
-    """Each row's drafted tokens for this step (``lengths`` from :func:`draft_lengths`), one drafter call per
-    drafter; drafts a grammar would refuse are cut where it refuses."""
-    drafts: list[list[int]] = [[] for _ in batch.rows]
-    asking: dict[Any, list[tuple[int, DraftRow]]] = {}
-    for i, (row, k) in enumerate(zip(batch.rows, lengths, strict=True)):
-        if k > 0:
-            asking.setdefault(row.spec.drafter, []).append(
-                (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, row.take_hidden())))
-    for drafter, entries in asking.items():
-        with DraftTimer([batch.rows[i].spec for i, _ in entries]):
-            proposals = drafter.propose([entry for _, entry in entries])
-        for (i, entry), proposal in zip(entries, proposals, strict=True):
-            drafts[i] = _grammatical(batch.rows[i], fed[i], list(proposal[: entry.k]))
-            if not drafts[i]:
-                batch.rows[i].spec.record_empty()
-                drafter.commit(entry.request_id, 0)
-    return drafts
+class SpeculativeStep:
+    """The decode batch's speculative step: drafts for the rows that speculate, and one verification pass.
+
+    It reads the rows and the batch's cache it is handed and returns what the pass gave (:class:`Verified`); the
+    decode batch (:class:`mlxd.engine.step.batch.DecodeBatch`) owns it and updates its own state from that."""
+
+    def __init__(self, model: Any, costs: StepCosts) -> None:
+        self.model = model
+        self.costs = costs  # what plain and verify steps cost, shared with the batch's plain steps
+
+    def draft_lengths(self, rows: list[Row]) -> list[int] | None:
+        """How many tokens each row drafts this step (0 for plain rows and rows that pause: this counts their
+        pause down), or None when no row drafts or the batch's expected gain does not pay for a verify step
+        (:func:`batch_pays`). Needs no token of the step: a batch that will not verify keeps its pipelined plain
+        step (reading the fed tokens back first would stall it)."""
+        lengths = [row.spec.draft_length(len(rows), self.costs) if row.spec is not None else 0 for row in rows]
+        return lengths if any(lengths) and batch_pays(rows, self.costs, lengths) else None
+
+    def draft(self, rows: list[Row], fed: list[int], lengths: list[int]) -> list[list[int]]:
+        """Each row's drafted tokens for this step (``lengths`` from :meth:`draft_lengths`), one drafter call per
+        drafter; drafts a grammar would refuse are cut where it refuses."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        asking: dict[Any, list[tuple[int, DraftRow]]] = {}
+        for i, (row, k) in enumerate(zip(rows, lengths, strict=True)):
+            if k > 0:
+                asking.setdefault(row.spec.drafter, []).append(
+                    (i, DraftRow(row.request_id, [*row.spec.tokens, fed[i]], k, row.take_hidden())))
+        for drafter, entries in asking.items():
+            with DraftTimer([rows[i].spec for i, _ in entries]):
+                proposals = drafter.propose([entry for _, entry in entries])
+            for (i, entry), proposal in zip(entries, proposals, strict=True):
+                drafts[i] = _grammatical(rows[i], fed[i], list(proposal[: entry.k]))
+                if not drafts[i]:
+                    rows[i].spec.record_empty()
+                    drafter.commit(entry.request_id, 0)
+        return drafts
+
+    def verify(self, rows: list[Row], cache: list[Any], fed: list[int], drafts: list[list[int]],
+               positions: dict[str, mx.array]) -> Verified:
+        """Run one verification pass for every row over ``cache`` (``positions``: the batch's position inputs);
+        each row keeps its fed token and the drafts the model accepts, and the cache keeps their positions."""
+        width = 1 + max(len(d) for d in drafts)
+        self.costs.tick(len(rows), width)
+        blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
+        inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
+        previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}
+        raw, hidden, transaction = verify_forward(self.model, inputs, cache, **positions)
+        try:
+            checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
+            started = time.perf_counter()
+            mx.eval(checks)
+            waited_s = time.perf_counter() - started
+        except BaseException:
+            transaction.abort()
+            raise
+        kept = [num_accepted(accepted.tolist()) for accepted, _ in checks]
+        transaction.commit([1 + a for a in kept])
+        candidates = [candidate.tolist() for _, candidate in checks]
+        emitted = [blocks[i][: 1 + a] for i, a in enumerate(kept)]
+        logprobs = {}
+        for i, row in enumerate(rows):
+            _settle(row, len(blocks[i]) - 1, kept[i], emitted[i])
+            if row.num_logprobs is not None:
+                rest = block_logprobs(raw[i, : kept[i] + 1], [*emitted[i][1:], candidates[i][kept[i]]], row)
+                first = [read_logprobs(previous[row.request_id])] if row.request_id in previous else []
+                logprobs[row.request_id] = first + rest
+        return Verified(emitted=emitted,
+                        inputs=mx.array([c[a] for c, a in zip(candidates, kept, strict=True)], dtype=mx.uint32),
+                        kept=[1 + a for a in kept], hidden=hidden, logprobs=logprobs, waited_s=waited_s)
 
 
-def batch_pays(batch: DecodeBatch, lengths: list[int]) -> bool:
+def batch_pays(rows: list[Row], costs: StepCosts, lengths: list[int]) -> bool:
     """Whether a verify step with these draft lengths is expected to emit more tokens than the plain steps it costs:
     every row pays for the step's width, the rows that draft nothing too (they gain one token, as in a plain
     step). Unknown costs (not measured yet at this batch size and width) pay, so that they get measured; so does
     a step where a row drafts a fixed ``k`` (``adaptive`` off)."""
-    size = len(batch.rows)
-    ratio = batch.costs.ratio(size, 1 + max(lengths))
-    if ratio is None or any(k and not row.spec.adaptive for row, k in zip(batch.rows, lengths, strict=True)):
+    size = len(rows)
+    ratio = costs.ratio(size, 1 + max(lengths))
+    if ratio is None or any(k and not row.spec.adaptive for row, k in zip(rows, lengths, strict=True)):
         return True  # a row drafting a fixed k (adaptive off) always drafts
-    gain = sum(row.spec.expected_gain(k) if k else 1.0 for row, k in zip(batch.rows, lengths, strict=True))
+    gain = sum(row.spec.expected_gain(k) if k else 1.0 for row, k in zip(rows, lengths, strict=True))
     if gain >= size * ratio:
         return True
-    for row, k in zip(batch.rows, lengths, strict=True):
+    for row, k in zip(rows, lengths, strict=True):
         if k:
             row.spec.reason = (f"the batch's drafts gain {gain / size:.2f} tokens a row; a verify step costs "
                                f"{ratio:.2f} plain steps")
@@ -89,41 +143,6 @@ def _grammatical(row: Row, last: int, proposal: list[int]) -> list[int]:
         if valid_prefix is not None and proposal:
             proposal = proposal[: max(valid_prefix([last, *proposal]) - 1, 0)]
     return proposal
-
-
-def speculative_step(batch: DecodeBatch, fed: list[int], drafts: list[list[int]]) -> list[list[int]]:
-    """Run one verification pass for every row; return each row's emitted tokens (its fed token, then the drafts
-    it kept). The token after them becomes the row's next input."""
-    rows = batch.rows
-    width = 1 + max(len(d) for d in drafts)
-    batch.costs.tick(len(rows), width)
-    blocks = [[token, *d] for token, d in zip(fed, drafts, strict=True)]
-    inputs = mx.array([b + [0] * (width - len(b)) for b in blocks], dtype=mx.uint32)
-    previous = {row.request_id: row.pending_logprobs for row in rows if row.pending_logprobs is not None}
-    raw, hidden, transaction = verify_forward(batch.model, inputs, batch.cache, **batch.position_inputs())
-    try:
-        checks = [_verify_row(row, raw[i, : len(blocks[i])], blocks[i]) for i, row in enumerate(rows)]
-        started = time.perf_counter()
-        mx.eval(checks)
-        batch.waited_s += time.perf_counter() - started
-    except BaseException:
-        transaction.abort()
-        raise
-    kept = [num_accepted(accepted.tolist()) for accepted, _ in checks]
-    transaction.commit([1 + a for a in kept])
-    if hidden is not None:
-        batch.keep_hidden(hidden, [1 + a for a in kept])
-    candidates = [candidate.tolist() for _, candidate in checks]
-    batch.inputs = mx.array([c[a] for c, a in zip(candidates, kept, strict=True)], dtype=mx.uint32)
-    emitted = [blocks[i][: 1 + a] for i, a in enumerate(kept)]
-    batch.logprobs = {}
-    for i, row in enumerate(rows):
-        _settle(row, len(blocks[i]) - 1, kept[i], emitted[i])
-        if row.num_logprobs is not None:
-            rest = block_logprobs(raw[i, : kept[i] + 1], [*emitted[i][1:], candidates[i][kept[i]]], row)
-            first = [read_logprobs(previous[row.request_id])] if row.request_id in previous else []
-            batch.logprobs[row.request_id] = first + rest
-    return emitted
 
 
 def _verify_row(row: Row, raw: mx.array, block: list[int]) -> tuple[mx.array, mx.array]:

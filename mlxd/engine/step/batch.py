@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engine.speculative.step import draft, draft_lengths, speculative_step
+from mlxd.engine.speculative.step import SpeculativeStep
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.step.prompts import same, sample
 from mlxd.engine.step.row import Row, reset_random_state
@@ -57,6 +57,7 @@ class DecodeBatch:
         self.waited_s = 0.0
         # What plain and verify steps cost here, for speculative rows to weigh their drafts against.
         self.costs = StepCosts()
+        self.speculative_step = SpeculativeStep(model, self.costs)
         # Multimodal RoPE: each row's position offset, (B, 1), rebuilt when rows change.
         self.uses_rope_deltas = getattr(model, "uses_rope_deltas", False)
         self._positions: dict[str, mx.array] | None = None
@@ -144,21 +145,27 @@ class DecodeBatch:
         Plain rows emit one token a step: the one fed into the forward pass just dispatched, sampled by the previous
         step (or by prompt processing), so that evaluating it overlaps with the computation (pipelined like
         ``generate_step``). When a speculative row has drafted tokens, the step verifies them instead
-        (:func:`mlxd.engine.speculative.step.speculative_step`): each row emits its fed token and the drafts it kept.
+        (:class:`mlxd.engine.speculative.step.SpeculativeStep`): each row emits its fed token and the drafts it kept.
 
         Raises when the shared work fails (the forward pass, evaluating the returned tokens): every row is lost.
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
-        lengths = draft_lengths(self) if self.speculative else None
+        self.waited_s = 0.0
+        spec = self.speculative_step
+        lengths = spec.draft_lengths(self.rows) if self.speculative else None
         if lengths is not None:
             started = time.perf_counter()
             fed = self.inputs.tolist()
             self.waited_s += time.perf_counter() - started
-            drafts = draft(self, fed, lengths)
+            drafts = spec.draft(self.rows, fed, lengths)
             if any(drafts):
-                emitted = speculative_step(self, fed, drafts)
-                self._compact_if_ragged(emitted)
-                return emitted
+                verified = spec.verify(self.rows, self.cache, fed, drafts, self.position_inputs())
+                self.inputs, self.logprobs = verified.inputs, verified.logprobs
+                self.waited_s += verified.waited_s
+                if verified.hidden is not None:
+                    self.keep_hidden(verified.hidden, verified.kept)
+                self._compact_if_ragged(verified.emitted)
+                return verified.emitted
         if self.speculative:
             self.costs.tick(len(self.rows), 1)
         tokens = self._plain_step()

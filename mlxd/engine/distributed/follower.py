@@ -1,0 +1,63 @@
+"""A rank other than 0 of a tensor-parallel group: no HTTP, no scheduler decisions; it applies rank 0's commands
+through the same :meth:`~mlxd.engine.core.EngineCore.apply` and runs its steps (see :mod:`mlxd.engine.distributed`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from mlxd.config.schema import DistributedConfig, EngineConfig
+from mlxd.engine.commands import Stop
+from mlxd.engine.core import EngineCore
+from mlxd.engine.distributed.channel import Channel
+from mlxd.engine.distributed.leader import rank_stats, state_digest
+from mlxd.engine.step.sampling import make_request_sampler
+from mlxd.errors import DistributedFault
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.distributed")
+
+
+class Follower:
+    """Serves rank 0: warms up, then applies each message's commands and runs its step."""
+
+    def __init__(self, model: Any, config: EngineConfig, *, channel: Channel, settings: DistributedConfig) -> None:
+        self.core = EngineCore(model, config, make_sampler=make_request_sampler, channel=channel, follower=True)
+        self.channel, self.settings = channel, settings
+        self.last_heard = time.monotonic()
+
+    def run(self) -> int:
+        """Serve rank 0 until it says stop (0); raises when the group breaks or the ranks disagree."""
+        core = self.core
+        with mx.stream(generation_stream):
+            core.warm_up()
+            log.info("follower_ready", rank=self.channel.rank, size=self.channel.size)
+            threading.Thread(target=self._watch, name="mlxd-follower-watchdog", daemon=True).start()
+            while True:
+                message, _ = self.channel.exchange(None, rank_stats(core))
+                self.last_heard = time.monotonic()
+                if message is None:
+                    continue
+                for command in message.commands:
+                    core.apply(command)
+                    if isinstance(command, Stop):
+                        return 0
+                if message.digest and state_digest(core) != tuple(message.digest):
+                    raise DistributedFault(f"rank {self.channel.rank} differs from rank 0: {state_digest(core)} "
+                                           f"against {tuple(message.digest)}")
+                if message.step is not None:
+                    core.apply(message.step)
+
+    def _watch(self) -> None:
+        limit = self.settings.step_timeout_s + 3 * self.settings.heartbeat_s
+        while True:
+            time.sleep(1.0)
+            if time.monotonic() - self.last_heard > limit:
+                log.error("distributed_watchdog", rank=self.channel.rank,
+                          reason=f"nothing from rank 0 for {limit:g} s; exiting")
+                os._exit(1)

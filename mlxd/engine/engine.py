@@ -1,0 +1,337 @@
+"""The batching engine: continuous batching on one engine thread.
+
+Every MLX call happens on the engine thread. The event loop only puts commands in the inbox (accept, cancel, clear,
+end all, stop: :mod:`mlxd.engine.commands`) and reads events from each request's :class:`RequestHandle`; the
+engine thread applies the commands between steps (:meth:`EngineCore.apply`, :mod:`mlxd.engine.core`), so a
+cancelled request leaves the batch within one prompt chunk or one decode step.
+
+The loop reads: apply pending commands → plan the step (the scheduler's plan, itself a command) → run it →
+post-process (emit tokens, finish requests, free their rows). A distributed leader records every command applied
+and sends them to the other ranks before each step (:mod:`mlxd.engine.distributed`).
+
+A failure ends only the requests it must, with ``Failed`` and one ``request_failed`` log line each: the one request
+whose row could not be built, whose prompt chunk or sampler raised (a group of prompts processed together is retried
+one by one); every decoding request when the shared decode step breaks. The loop goes on, with MLX's random state
+and the decode batch reset. Should the thread end anyway, :attr:`BatchedEngine.failure` says why, every request ends
+with a 503 ``Failed``, :meth:`BatchedEngine.submit` refuses, and ``on_failure`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
+from mlxd.engine.commands import Accept, Cancel, Clear, Command, EndAll, ImagesEncoded, RequestSpec, Stop
+from mlxd.engine.core import EngineCore
+from mlxd.engine.drafters.base import Drafter
+from mlxd.engine.prefix import PromptReuse
+from mlxd.engine.requests import Submitted
+from mlxd.engine.schedule.memory import MemoryBudget, memory_status, require_fits
+from mlxd.engine.schedule.scheduler import Scheduler, SequenceState
+from mlxd.engine.step.sampling import make_request_sampler
+from mlxd.engine.step.steptimes import StepTimes
+from mlxd.engine.step.vision import VisionPrefill
+from mlxd.errors import NotReady, Overloaded
+from mlxd.log import get_logger
+
+if TYPE_CHECKING:
+    from mlxd.engine.distributed.leader import Leader
+
+log = get_logger("mlxd.engine")
+
+Reply = tuple[asyncio.AbstractEventLoop, asyncio.Future]  # where a command's result goes (clear_prefix_cache)
+
+
+class BatchedEngine:
+    """Serves many requests at once: chunked prompt processing interleaved with batched decode steps.
+
+    ``make_sampler`` builds each request's sampler (mlx-lm's by default); ``drafter`` proposes tokens for speculative
+    requests (:mod:`mlxd.engine.drafters`), None: every request decodes plain. In a distributed group, ``channel``
+    shares rank 0's sampled tokens and rank 0's ``leader`` sends what the engine applies
+    (:mod:`mlxd.engine.distributed`)."""
+
+    def __init__(self, model: Any, config: EngineConfig, *,
+                 make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
+                 drafter: Drafter | None = None, channel: Any = None, leader: Leader | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.drafter = drafter
+        # Images are encoded on a thread of their own while the engine steps (not in a distributed group, whose
+        # ranks must run the same work in the same step).
+        deliver = ((lambda encoded: self._inbox.put((ImagesEncoded(encoded), None)))
+                   if config.vision_encoder_thread else None)
+        self.core = EngineCore(model, config, make_sampler=make_sampler, drafter=drafter, channel=channel,
+                               deliver=deliver, record=leader.record if leader is not None else None)
+        self.leader = leader
+        # Why the engine thread ended, when it did not end by stop(); on_failure(reason) is called then, on the
+        # engine thread.
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._stopping = False
+        self._inbox: queue.SimpleQueue[tuple[Command | ImagesEncoded, Reply | None]] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
+        if leader is not None:
+            leader.attach(self)
+
+    # Views of the core's parts, for the owner and for status pages.
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's logits width, learned at warm-up: token ids must be below it."""
+        return self.core.runner.vocab_size
+
+    @property
+    def vision(self) -> VisionPrefill | None:
+        return self.core.runner.vision
+
+    @property
+    def reuse(self) -> PromptReuse:
+        return self.core.reuse
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def memory(self) -> MemoryBudget | None:
+        return self.core.memory
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        return self.core.totals
+
+    @property
+    def step_times(self) -> StepTimes:
+        return self.core.step_times
+
+    # ---- the event loop's side: thread-safe, no MLX ----
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        if self.leader is not None:
+            self.leader.start()
+
+    def stop(self) -> None:
+        if self.leader is not None and self.failure is not None:
+            return  # the engine thread may be blocked inside a collective for good: do not wait for it
+        with self.core.table.lock:
+            self._stopping = True
+        self._inbox.put((Stop(), None))
+        self._thread.join(timeout=30)
+
+    def abort_all(self, message: str) -> None:
+        """End every request the engine holds (waiting, prefilling, decoding) with ``Failed(message, 503)``.
+
+        Thread-safe: applied on the engine thread, between steps. Requests submitted later are served."""
+        self._inbox.put((EndAll(message), None))
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not ended yet: pending, waiting and running (thread-safe)."""
+        with self.core.table.lock:
+            return self.core.table.num_pending + self.scheduler.num_waiting + self.scheduler.num_running
+
+    def retry_after_s(self) -> float:
+        """Seconds a newcomer should wait before retrying: the queue ahead of it, over the running slots, times the
+        recent mean request duration (1 s while none is known); at least 1."""
+        num_queued = self.core.table.num_pending + self.scheduler.num_waiting
+        return max(1.0, num_queued / self.config.max_running * (self.core.table.mean_duration_s or 1.0))
+
+    def submit(self, request: EngineRequest) -> RequestHandle:
+        state = SequenceState.for_request(request)
+        if self.memory is not None:  # a request that could never fit is a 400 now, not a wait forever
+            state.num_kv_bytes = require_fits(self.memory, len(request.prompt), request.max_tokens,
+                                              request.prefill_chunk)
+        submitted = Submitted(request, RequestHandle(request.request_id, self, asyncio.get_running_loop()), state)
+        with self.core.table.lock:
+            if self.failure is not None or self._stopping:
+                raise NotReady(f"the engine has stopped: {self.failure or 'the server is shutting down'}")
+            if not self.scheduler.can_add(num_pending=self.core.table.num_pending):
+                raise Overloaded(
+                    f"{self.config.max_running} requests are running and {self.config.max_waiting} waiting "
+                    "(the most allowed); retry shortly", retry_after=self.retry_after_s(),
+                )
+            self.core.table.pending[request.request_id] = submitted
+        self._inbox.put((Accept(RequestSpec.of(request)), None))
+        return submitted.handle
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self._inbox.put((Cancel(request_id, reason), None))
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Prefix-cache counters (thread-safe: the cache takes its own lock)."""
+        return self.reuse.stats()
+
+    async def clear_prefix_cache(self) -> dict[str, Any]:
+        """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((Clear(), (loop, future)))
+        return await future
+
+    def status(self, prompts: bool = False) -> dict[str, Any]:
+        """Requests, limits, totals, step times and memory, for ``GET /v1/status``. Rendered prompts (clipped) are
+        shown only when ``prompts`` asks for them."""
+        with self.core.table.lock:
+            pending = [s.state for s in self.core.table.pending.values()]
+            running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        drafter, vision = self.drafter, self.core.runner.vision
+        return {
+            **({"vision": vision.status()} if vision is not None else {}),
+            "running": [s.snapshot(prompts) for s in running],
+            "waiting": [s.snapshot(prompts) for s in [*waiting, *pending]],
+            "limits": {
+                "max_running": self.config.max_running,
+                "max_waiting": self.config.max_waiting,
+                "step_token_budget": self.config.step_token_budget,
+            },
+            "totals": dict(self.totals),
+            "speculative": speculative_status(self.totals, drafter.name if drafter is not None else None),
+            "step_ms": self.step_times.status(), "num_steps": self.step_times.num_steps,
+            "memory": {
+                "active_bytes": mx.get_active_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+                "cache_bytes": mx.get_cache_memory(),
+                # Admission: the limit, the weights' share, what requests reserve, what the prefix cache holds.
+                **(memory_status(self.memory, self.scheduler.num_reserved_bytes, self.reuse.num_bytes)
+                   if self.memory is not None else {}),
+            },
+            **({"distributed": self.leader.status()} if self.leader is not None else {}),
+        }
+
+    # ---- the engine thread ----
+
+    def step(self) -> None:
+        """One engine step: plan (the scheduler) → run the plan → post-process (each phase timed)."""
+        self.step_times.start()
+        plan = self.core.plan()
+        self.step_times.lap("schedule")
+        self.core.apply(plan)
+        if self.leader is not None:
+            self.leader.stepped()
+
+    def _run(self) -> None:
+        vision = self.core.runner.vision
+        if vision is not None:
+            vision.start()
+        try:
+            with mx.stream(generation_stream):
+                self._serve()
+            mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
+        except BaseException as e:  # noqa: BLE001 - the engine is gone: its requests and its owner are told
+            self._die(e)
+        finally:
+            if vision is not None:
+                vision.stop()
+
+    def _serve(self) -> None:
+        try:
+            self.core.warm_up()
+            if self.leader is not None:
+                self.leader.ready()  # every rank is up and warm before /health turns 200
+        except Exception as e:  # noqa: BLE001 - handed to start(), which re-raises it
+            self._startup_error = e
+        self._ready.set()
+        if self._startup_error is not None:
+            return
+        try:
+            # Blocking on the inbox only while idle, the queue-wait check runs every iteration it matters in.
+            while self._apply_inbox(block=not self.scheduler.has_work):
+                self.core.expire_waiting()
+                if self.scheduler.has_work:
+                    self.step()
+                else:
+                    self._idle()
+                self.core.table.send()
+        finally:
+            self.core.table.send()
+        if self.leader is not None and self.failure is None:
+            self.leader.stopped()
+
+    def _apply_inbox(self, block: bool) -> bool:
+        """Apply queued commands; return False once one said stop. Blocks for at most the leader's heartbeat (else
+        until a command comes) when ``block``.
+
+        A request that wakes the idle engine waits for the requests arriving with it: commands are taken until
+        none has come for ``gather_ms`` (at most ten times that in all), so that a burst of requests starts in one
+        prompt pass instead of the first alone and the rest a step later."""
+        gather_s = self.config.gather_ms / 1000
+        idle_wait_s = self.leader.heartbeat_s if self.leader is not None else None
+        deadline = None
+        while True:
+            try:
+                command, reply = self._inbox.get(block=block or deadline is not None,
+                                                 timeout=idle_wait_s if block else _left(deadline, gather_s))
+            except queue.Empty:
+                if self.core.runner.vision is not None:
+                    self.core.runner.vision.flush()  # the images of the requests just taken on, as one job
+                return True
+            if block and isinstance(command, Accept) and gather_s > 0:
+                deadline = time.monotonic() + 10 * gather_s
+            block = False
+            if isinstance(command, Accept) and not self.core.table.is_pending(command.spec.request_id):
+                continue  # ended before it got here (abort_all)
+            result = self.core.apply(command)
+            if reply is not None:
+                loop, future = reply
+                loop.call_soon_threadsafe(future.set_result, result)
+            if isinstance(command, Stop):
+                return False
+
+    def _idle(self) -> None:
+        if self.leader is not None:
+            self.leader.idle()
+        mx.clear_cache()  # idle: give the freed buffers back
+
+    def _die(self, error: BaseException) -> None:
+        """The engine thread ends on an error: record why, end every request, refuse new ones, tell the owner."""
+        reason = (self.leader.failure_reason(error) if self.leader is not None
+                  else f"{type(error).__name__} on the engine thread")
+        log.error("engine_failed", reason=reason, error=str(error), exc_info=error)
+        if not self._ready.is_set():  # still warming up: start() raises it
+            self._startup_error = error
+            self._ready.set()
+        self.halt(reason, f"the engine has stopped ({reason}); retry shortly")
+
+    def halt(self, reason: str, message: str) -> None:
+        """The engine cannot go on: record why (``failure``), end every request with ``message`` (503), refuse new
+        ones and tell the owner. Touches no MLX state."""
+        with self.core.table.lock:
+            self.failure = reason
+        self.core.end_all(message)
+        self.core.table.send()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001 - the engine is gone either way; the owner's error is logged
+                log.exception("engine_on_failure_failed")
+
+
+def speculative_status(totals: dict[str, Any], drafter: str | None) -> dict[str, Any]:
+    """The drafter, and what speculative requests that ended got from it."""
+    drafted, steps = totals["speculative_drafted"], totals["speculative_steps"]
+    return {
+        "drafter": drafter,
+        "acceptance": round(totals["speculative_accepted"] / drafted, 3) if drafted else None,
+        "tokens_per_step": round(totals["speculative_emitted"] / steps, 2) if steps else None,
+        "drafter_ms": round(totals["speculative_drafter_ms"], 1),
+    }
+
+
+def _left(deadline: float | None, gap_s: float) -> float | None:
+    """How long to wait for the next command while gathering a burst (None when not gathering)."""
+    return None if deadline is None else max(0.0, min(gap_s, deadline - time.monotonic()))
