@@ -109,6 +109,8 @@ def serve(argv: list[str]) -> NoReturn:
     from mlxd.runtime.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas(sys.argv[1:])
+    import mlxd.runtime.descriptors  # noqa: F401 (records the descriptor limit before importing mlx-lm lowers it)
+
     config, pipeline = load_everything(args.config)
     from mlxd.api.app import create_app
     from mlxd.config.effective import apply_flags

@@ -7,6 +7,10 @@
   moved it); serving goes on.
 - A fatal daemon error (the model failed to load, the engine thread ended): exit 1, so that launchd's
   ``KeepAlive`` or systemd's ``Restart=on-failure`` restarts the process.
+
+Connections are bounded (:mod:`mlxd.runtime.connections`, ``[server]`` max_header_bytes, header_timeout_s,
+body_timeout_s, max_connections); the descriptor limit is raised to its hard limit first, and failed ``accept``
+calls are counted into one log line per interval instead of a traceback each.
 """
 
 from __future__ import annotations
@@ -22,9 +26,17 @@ from types import FrameType
 import uvicorn
 
 from mlxd.config import load_config
+from mlxd.config.schema import ServerConfig
 from mlxd.daemon import Daemon
 from mlxd.errors import ConfigError
 from mlxd.log import get_logger, log_file, reconfigure_logging
+from mlxd.runtime.connections import (
+    ConnectionLimits,
+    DroppedConnections,
+    make_accept_error_handler,
+    make_protocol,
+)
+from mlxd.runtime.descriptors import STARTED_WITH, accept_backlog, connection_limit, raise_descriptor_limit
 
 log = get_logger("mlxd.server")
 
@@ -39,10 +51,12 @@ class Server(uvicorn.Server):
     ``config_path``: the daemon config whose ``[logging]`` table SIGHUP re-reads (``None``: SIGHUP is not handled).
     """
 
-    def __init__(self, config: uvicorn.Config, daemon: Daemon, config_path: Path | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, daemon: Daemon, config_path: Path | None = None,
+                 drops: DroppedConnections | None = None) -> None:
         super().__init__(config)
         self.daemon = daemon
         self.config_path = config_path
+        self.drops = drops
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
@@ -59,11 +73,15 @@ class Server(uvicorn.Server):
         hangup = self.config_path is not None and threading.current_thread() is threading.main_thread()
         if hangup:
             self._loop.add_signal_handler(signal.SIGHUP, self._reload_logging, self.config_path)
+        if self.drops is not None:
+            self._loop.set_exception_handler(make_accept_error_handler(self.drops, self._loop.get_exception_handler()))
         try:
             await super().serve(sockets)
         finally:
             if hangup:
                 self._loop.remove_signal_handler(signal.SIGHUP)
+            if self.drops is not None:
+                self.drops.close()
 
     def _reload_logging(self, config_path: Path) -> None:
         """SIGHUP: reopen the log file and apply the config's ``[logging]`` table. A config that no longer
@@ -123,7 +141,30 @@ def run_server(app: object, daemon: Daemon, config_path: Path | None = None) -> 
     """Serve ``app`` on the daemon's host and port until drained or failed; return the exit code. With
     ``config_path``, SIGHUP re-reads that file's ``[logging]`` table and reopens the log file."""
     server = daemon.config.server
+    limits, backlog = connection_limits(server)
+    drops = DroppedConnections()
     # log_config=None: uvicorn's lines go through the root logger that mlxd.log set up (the log file, if any).
     config = uvicorn.Config(app, host=server.host, port=server.port, access_log=False, log_level="warning",
-                            log_config=None, timeout_graceful_shutdown=GRACE_S)
-    return Server(config, daemon, config_path).run()
+                            log_config=None, timeout_graceful_shutdown=GRACE_S, backlog=backlog,
+                            http=make_protocol(limits, drops))
+    return Server(config, daemon, config_path, drops).run()
+
+
+def connection_limits(server: ServerConfig) -> tuple[ConnectionLimits, int]:
+    """The ``[server]`` connection bounds and the listen backlog, after raising the descriptor limit (logged)."""
+    limit = raise_descriptor_limit()
+    if limit.hard < STARTED_WITH[1]:
+        log.warning("descriptor_limit", soft=limit.soft, hard=limit.hard, started_with=STARTED_WITH[1],
+                    reason="mlx-lm lowers the hard limit to 4096 when it is imported, and this process may not "
+                           "raise it again")
+    else:
+        log.info("descriptor_limit", soft=limit.soft, hard=limit.hard, was_soft=limit.was_soft)
+    limits = ConnectionLimits(max_connections=connection_limit(server.max_connections, limit.soft),
+                              max_header_bytes=server.max_header_bytes, header_timeout_s=server.header_timeout_s,
+                              body_timeout_s=server.body_timeout_s)
+    if limits.max_connections >= limit.soft:
+        log.warning("max_connections", max_connections=limits.max_connections, descriptor_limit=limit.soft,
+                    reason="above the descriptor limit: accepts will fail before the connection limit is reached")
+    backlog = accept_backlog(limit.soft, limits.max_connections)
+    log.info("connection_limits", **vars(limits), backlog=backlog)
+    return limits, backlog

@@ -29,6 +29,15 @@ class ServerConfig(Base):
     admin_keys_file: str = ""
     # /metrics asks for an API key too (it is open by default, for scrapers).
     metrics_need_key: bool = False
+    # Connections (mlxd/runtime/connections.py), before any key is checked: a request line and headers larger than
+    # this get 431; a connection that has not sent a request's complete headers this long after it opened (or after
+    # its previous response) is closed; a body not complete this long after its headers gets 408.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024, le=16 * 1024**2)] = 64 * 1024
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    # Connections served at once; one more is closed as soon as it is accepted. 0: the descriptor limit (raised to
+    # its hard limit at start-up) less a reserve of 64 or an eighth of it, at most 4096.
+    max_connections: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
 
 
 class SamplingDefaults(Base):
