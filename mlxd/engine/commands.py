@@ -1,4 +1,4 @@
-"""The one vocabulary of what changes the engine's state: typed commands, applied by :meth:`BatchedEngine.apply`.
+"""The one vocabulary of what changes the engine's state: typed commands, applied by :meth:`EngineCore.apply`.
 
 Plain data (msgspec structs, tagged): the event loop puts them in the engine's inbox, the engine thread makes its
 own (a request finished, the prefix cache shrunk, the step's prompt plan), and a distributed leader sends those it
