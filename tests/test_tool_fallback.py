@@ -108,3 +108,11 @@ def test_once_the_configured_parser_finds_a_call_the_fallback_retires() -> None:
     for pieces in splits(BARE + "\n" + SEED):
         content, calls, _ = run("seed_oss", pieces)
         assert (content.strip(), calls) == ("", [("get_weather", WEATHER), ("get_weather", {"city": "Paris"})])
+
+
+def test_ordinary_json_streams_on_and_only_a_call_s_beginning_is_held() -> None:
+    parser = FallbackToolParser(TOOL_PARSERS["qwen3_coder"](TOOLS), TOOLS)
+    assert parser.feed('Config: {"city": "Pa') == [ContentDelta('Config: {"city": "Pa')]
+    assert parser.feed('ris"} then {"na') == [ContentDelta('ris"} then ')]  # may begin a call: held
+    assert parser.feed('me": "x"} end') == [ContentDelta('{"name": "x"} end')]
+    assert parser.finish() == [] and parser.num_calls == 0

@@ -9,7 +9,8 @@ from typing import Any
 from mlxd.log import get_logger
 from mlxd.pipeline.events import ContentDelta, ReasoningDelta, ToolCallDelta
 from mlxd.pipeline.parsers.base import ToolParser
-from mlxd.pipeline.parsers.tools.generic import GenericToolParser
+from mlxd.pipeline.parsers.tools.generic import CLOSE_TAG, GenericToolParser
+from mlxd.pipeline.parsers.tools.json_call import NeedMore, NotCanonical, read_call_head
 
 Event = ContentDelta | ToolCallDelta | ReasoningDelta
 log = get_logger("mlxd.pipeline")
@@ -17,11 +18,23 @@ log = get_logger("mlxd.pipeline")
 
 class _RecoveredCalls(GenericToolParser):
     """The generic parser, held to complete calls: a call is announced once its object is whole (a cut-off one
-    stays text), and an object with a name but no arguments is text."""
+    stays text), and an object with a name but no arguments is text.
+
+    Only an object that begins as a call (``{"name": "...", "arguments": {``) is held until it ends, so ordinary
+    JSON in the content streams on at once; between ``<tool_call>`` tags the keys may come in any order.
+    """
 
     require_arguments = True
 
     def _json_call(self, final: bool) -> bool:
+        try:
+            read_call_head(self._buf, self._pos, self.args_keys)
+        except NeedMore:
+            return False
+        except NotCanonical:
+            if self._closer == CLOSE_TAG:
+                return self._read_whole()
+            return self._reject(None if self._closer else 1)
         return self._read_whole()
 
 
