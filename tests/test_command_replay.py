@@ -4,6 +4,8 @@ gives the same rows, the same outputs and the same prefix cache (mlxd/engine/com
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from mlx_lm import load
@@ -14,9 +16,8 @@ from mlxd.engine.commands import Accept, Cancel, Drop, Stop
 from mlxd.engine.core import EngineCore
 from mlxd.engine.distributed.channel import STATS
 from mlxd.engine.distributed.leader import make_leader_engine
+from mlxd.engine.schedule.memory import measure_memory
 from mlxd.engine.step.sampling import make_request_sampler
-
-CONFIG = EngineConfig(max_running=4, prefill_chunk=8, step_token_budget=32, warmup_tokens=1)
 
 
 class RecordingChannel:
@@ -70,10 +71,10 @@ async def serve(engine: Any, prompts: dict[str, list[int]], max_tokens: dict[str
     return dict(zip(prompts, results, strict=True))
 
 
-def replay(model: Any, channel: RecordingChannel) -> tuple[dict[str, list[int]], EngineCore]:
+def replay(model: Any, config: EngineConfig, channel: RecordingChannel) -> tuple[dict[str, list[int]], EngineCore]:
     """Apply the recorded messages to a fresh core, as a follower does, checking each view on the way; returns what
     each request had generated when it was let go."""
-    core = EngineCore(model, CONFIG, make_sampler=make_request_sampler, channel=RecordingChannel(), follower=True)
+    core = EngineCore(model, config, make_sampler=make_request_sampler, channel=RecordingChannel(), follower=True)
     core.warm_up()
     outputs: dict[str, list[int]] = {}
     for i, (message, expected) in enumerate(zip(channel.messages, channel.views, strict=True)):
@@ -89,53 +90,82 @@ def replay(model: Any, channel: RecordingChannel) -> tuple[dict[str, list[int]],
     return outputs, core
 
 
-def test_a_leaders_recorded_commands_replayed_reproduce_rows_outputs_and_prefix_cache(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
+@contextlib.contextmanager
+def recorded(model: Any, config: EngineConfig) -> Iterator[tuple[Any, RecordingChannel]]:
+    """A leader's engine (a group of one) whose messages are recorded; stopped on the way out."""
     channel = RecordingChannel()
     settings = DistributedConfig(backend="ring", tensor_parallel=1, heartbeat_s=3600.0)
-    engine = make_leader_engine(model, CONFIG, channel=channel, settings=settings)
+    engine = make_leader_engine(model, config, channel=channel, settings=settings)
     channel.engine = engine
     engine.start()
     try:
-        text = "The engine applies commands; a follower applies the same commands and holds the same state. "
-        long = tokenizer.encode(text * 2)  # several prompt chunks
-        first = {"a": long, "b": tokenizer.encode("Short prompt."), "c": tokenizer.encode("Another one, a bit longer."),
-                 "d": tokenizer.encode(text)}
+        yield engine, channel
+    finally:
+        engine.stop()
+    assert engine.failure is None
+
+
+def check_replay(model: Any, config: EngineConfig, engine: Any, channel: RecordingChannel,
+                 served: dict[str, tuple[list[int], str]], prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """Replay and compare: each request's output, the prefix cache's counters, and what it holds for each request.
+    Returns the leader's prefix-cache stats."""
+    outputs, core = replay(model, config, channel)
+    assert outputs == {request_id: tokens for request_id, (tokens, _) in served.items()}
+    stats = engine.reuse.stats()
+    assert core.reuse.stats() == stats
+    for request_id, prompt in prompts.items():
+        key = prompt + served[request_id][0]
+        leader_hit, replay_hit = engine.reuse.lookup(key), core.reuse.lookup(key)
+        assert (leader_hit.kind, leader_hit.num_cached) == (replay_hit.kind, replay_hit.num_cached), request_id
+    return stats
+
+
+def kinds(channel: RecordingChannel) -> set[str]:
+    return {type(c).__name__ for m in channel.messages for c in [*m.commands, *([m.step] if m.step else [])]}
+
+
+def test_a_leaders_recorded_commands_replayed_reproduce_rows_outputs_and_prefix_cache(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    config = EngineConfig(max_running=4, prefill_chunk=8, step_token_budget=32, warmup_tokens=1)
+    text = "The engine applies commands; a follower applies the same commands and holds the same state. "
+    long = tokenizer.encode(text * 2)  # several prompt chunks
+    first = {"a": long, "b": tokenizer.encode("Short prompt."), "c": tokenizer.encode("Another one, a bit longer."),
+             "d": tokenizer.encode(text)}
+    with recorded(model, config) as (engine, channel):
         served = asyncio.run(serve(engine, first, {"a": 6, "b": 9, "c": 5, "d": 40}, cancel_after={"d": 4}))
         # The next turn of "a" starts from what the prefix cache kept of it.
         second = {"e": long + served["a"][0] + tokenizer.encode(" And the next turn."),
                   "f": tokenizer.encode("Short prompt.")}
         served.update(asyncio.run(serve(engine, second, {"e": 7, "f": 3}, cancel_after={})))
-    finally:
-        engine.stop()
-    assert engine.failure is None
+        hits = engine.reuse.stats()["num_hits"]
+        asyncio.run(engine.clear_prefix_cache())
+        third = {"g": tokenizer.encode("After the cache was cleared.")}
+        served.update(asyncio.run(serve(engine, third, {"g": 4}, cancel_after={})))
     assert served["d"][1] == "cancelled" and len(served["d"][0]) == 4
-    assert {served[r][1] for r in "abcef"} == {"length"}
-    kinds = [type(c).__name__ for m in channel.messages for c in [*m.commands, *([m.step] if m.step else [])]]
-    assert {"Accept", "Cancel", "Keep", "Drop", "RunStep", "Stop"} <= set(kinds)
+    assert {served[r][1] for r in "abcefg"} == {"length"}
+    assert {"Accept", "Cancel", "Keep", "Drop", "Clear", "RunStep", "Stop"} <= kinds(channel)
     assert any(m.step is not None and m.step.together for m in channel.messages)  # prompts that shared a pass
-    assert sum(isinstance(c, Accept) for m in channel.messages for c in m.commands) == 6
-
-    outputs, core = replay(model, channel)
-
-    assert outputs == {request_id: tokens for request_id, (tokens, _) in served.items()}
-    assert core.reuse.stats() == engine.reuse.stats()
-    assert engine.reuse.stats()["num_hits"] >= 1  # "e" started from a kept state
-    for request_id, prompt in {**first, **second}.items():
-        key = prompt + served[request_id][0]
-        leader_hit, replay_hit = engine.reuse.lookup(key), core.reuse.lookup(key)
-        assert (leader_hit.kind, leader_hit.num_cached) == (replay_hit.kind, replay_hit.num_cached), request_id
+    assert sum(isinstance(c, Accept) for m in channel.messages for c in m.commands) == 7
+    assert hits >= 1  # "e" started from a kept state
+    check_replay(model, config, engine, channel, served, {**first, **second, **third})
 
 
-def test_a_replayed_step_admits_what_the_plan_names():
-    """Plain Python: a step planned elsewhere starts the waiting requests it names, in the scheduler too."""
-    from mlxd.engine.schedule.scheduler import Scheduler, SequenceState
-
-    scheduler = Scheduler(max_running=2, max_waiting=4, step_token_budget=64)
-    states = [SequenceState(request_id=r, num_prompt_tokens=8, prefill_chunk=8, max_tokens=4) for r in "xyz"]
-    for state in states:
-        scheduler.add(state)
-    scheduler.start(states[1])
-    scheduler.start(states[1])  # admitted already: stays
-    assert [s.request_id for s in scheduler.running] == ["y"] and states[1].phase == "prefill"
-    assert [s.request_id for s in scheduler.waiting] == ["x", "z"]
+def test_replayed_evictions_leave_the_same_prefix_cache(tiny_model_dir):
+    """With room for one long request and one short snapshot beside it, the prefix cache gives way (``Evict``)."""
+    model, tokenizer = load(str(tiny_model_dir))
+    measured = measure_memory(model)
+    fills = {f"fill-{i}": tokenizer.encode(text)
+             for i, text in enumerate(["Hello", "What is 2 + 2?", "The quick brown fox", "SELECT name FROM users"])}
+    big = {"big": tokenizer.encode("Machine learning models learn patterns from data. " * 30)}
+    room = max(measured.kv.num_bytes(len(prompt) + 8, 512) for prompt in fills.values())
+    kv_budget = measured.kv.num_bytes(len(big["big"]) + 200, 512) + room
+    config = EngineConfig(max_running=4, prefill_chunk=512, warmup_tokens=1,
+                          memory_limit_bytes=measured.weights_bytes + kv_budget, prefix_cache_bytes=10 * kv_budget)
+    served: dict[str, tuple[list[int], str]] = {}
+    with recorded(model, config) as (engine, channel):
+        for request_id, prompt in fills.items():  # one at a time: each leaves a snapshot of its prompt and output
+            served.update(asyncio.run(serve(engine, {request_id: prompt}, {request_id: 8}, cancel_after={})))
+        served.update(asyncio.run(serve(engine, big, {"big": 200}, cancel_after={})))
+    assert "Evict" in kinds(channel)
+    stats = check_replay(model, config, engine, channel, served, {**fills, **big})
+    assert stats["num_evictions"] > 0

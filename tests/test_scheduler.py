@@ -281,3 +281,24 @@ def test_prompts_share_a_pass_only_with_prompts_of_their_kind():
     groups = prompts_to_batch(chunks)
     assert [[s.request_id for s in group] for group in groups] == [["t1", "t2"], ["i1", "i2"], ["r1", "r2"]]
     assert prompts_to_batch([state("t1", 40), state("i1", 300, images=True), state("r1", 90, done=60)]) == []
+
+
+def test_a_plan_made_elsewhere_starts_the_waiting_requests_it_names():
+    """A follower (or a replay) runs rank 0's plan: the requests it names leave the queue for the running list, in
+    the order named; one admitted already stays where it is."""
+    scheduler = Scheduler(max_running=2, max_waiting=4, step_token_budget=64)
+    x, y, z = seq("x", 8), seq("y", 8), seq("z", 8)
+    for sequence in (x, y, z):
+        scheduler.add(sequence)
+    scheduler.start(y)
+    scheduler.start(y)
+    assert [s.request_id for s in scheduler.running] == ["y"] and y.phase == "prefill"
+    assert [s.request_id for s in scheduler.waiting] == ["x", "z"] and x.phase == "waiting"
+
+
+def test_a_snapshot_shows_the_rendered_prompt_only_when_asked():
+    sequence = SequenceState(request_id="r", num_prompt_tokens=3, prefill_chunk=8, max_tokens=4,
+                             prompt_text="secret " * 1000)
+    assert "prompt" not in sequence.snapshot()
+    shown = sequence.snapshot(prompt=True)["prompt"]
+    assert shown.startswith("secret ") and len(shown) < 4200 and "characters]" in shown
