@@ -140,8 +140,7 @@ class _Splitter:
 
     def finish(self) -> list[Any]:
         out = self._tools(self.reasoning.finish()) if self.reasoning else []
-        out += self.tools.finish() if self.tools else []
-        return [e for e in out if not isinstance(e, ToolCallDelta) or e.index == 0] if self.single_call else out
+        return out + self._allowed(self.tools.finish() if self.tools else [])
 
     def done(self, done: Done) -> Done:
         if self.tools is not None and self.tools.num_calls and done.finish_reason == "stop":
@@ -154,9 +153,12 @@ class _Splitter:
         out: list[Any] = []
         for event in events:
             out.extend(self.tools.feed(event.text) if isinstance(event, ContentDelta) else [event])
-        if self.single_call:
-            out = [e for e in out if not isinstance(e, ToolCallDelta) or e.index == 0]
-        return out
+        return self._allowed(out)
+
+    def _allowed(self, events: list[Any]) -> list[Any]:
+        if not self.single_call:
+            return events
+        return [e for e in events if not isinstance(e, ToolCallDelta) or e.index == 0]
 
 
 def _special_ids(tokenizer: Any, markers: list[str]) -> set[int]:
