@@ -126,7 +126,8 @@ def kinds(channel: RecordingChannel) -> set[str]:
 
 def test_a_leaders_recorded_commands_replayed_reproduce_rows_outputs_and_prefix_cache(tiny_model_dir):
     model, tokenizer = load(str(tiny_model_dir))
-    config = EngineConfig(max_running=4, prefill_chunk=8, step_token_budget=32, warmup_tokens=1)
+    # Requests sent together start together (gather_ms), so that whole short prompts share a pass.
+    config = EngineConfig(max_running=4, prefill_chunk=8, step_token_budget=32, warmup_tokens=1, gather_ms=50)
     text = "The engine applies commands; a follower applies the same commands and holds the same state. "
     long = tokenizer.encode(text * 2)  # several prompt chunks
     first = {"a": long, "b": tokenizer.encode("Short prompt."), "c": tokenizer.encode("Another one, a bit longer."),
