@@ -2,7 +2,9 @@
 
 The command is ``mlx.launch`` with the config's backend and hosts (or hostfile, or ``tensor_parallel`` processes on
 this machine), running ``python -m mlxd --config FILE`` on each rank: rank 0 serves HTTP, the others follow it.
-``mlx.launch`` ends the other ranks when one fails, but exits 0 whatever happened to them, so this command
+Every rank is told its local rank (``MLXD_LOCAL_RANKS``), so that the ranks on one host
+serve on different GPUs without ``CUDA_VISIBLE_DEVICES`` (:mod:`mlxd.runtime.device`). ``mlx.launch`` ends the
+other ranks when one fails, but exits 0 whatever happened to them, so this command
 watches its report (``Node with rank N exited with code C`` / ``was killed``) and exits 1 when a rank failed:
 launchd and systemd then restart the job. SIGTERM and SIGINT go to every rank (rank 0 drains, then stops the
 others); a second one kills them all.
@@ -21,6 +23,7 @@ import threading
 from pathlib import Path
 
 from mlxd.errors import ConfigError
+from mlxd.runtime.device import LOCAL_RANKS_ENV
 
 _RANK_FAILED = re.compile(r"Node with rank (\d+) (exited with code (-?\d+)|was killed)")
 
@@ -68,15 +71,41 @@ def launch_command(args: argparse.Namespace) -> list[str]:
         if not hostfile.is_absolute():
             hostfile = args.config.resolve().parent / hostfile
         command += ["--hostfile", str(hostfile)]
+        hosts = hostfile_hosts(hostfile)
     elif settings.hosts:
         command += ["--hosts", ",".join(settings.hosts)]
+        hosts = list(settings.hosts)
     else:
         command += ["-n", str(settings.tensor_parallel), *local_threads(settings.tensor_parallel)]
+        hosts = ["127.0.0.1"] * settings.tensor_parallel
+    command += ["--env", f"{LOCAL_RANKS_ENV}={','.join(map(str, local_ranks(hosts)))}"]
     if settings.starting_port:
         command += ["--starting-port", str(settings.starting_port)]
     serve = [sys.executable, "-m", "mlxd", "--config", str(args.config.resolve())]
     serve += [*(["--host", args.host] if args.host else []), *(["--port", str(args.port)] if args.port else [])]
     return [*command, "--", *serve]
+
+
+def local_ranks(hosts: list[str]) -> list[int]:
+    """Each rank's number among the ranks on its host (``hosts``: one entry per rank, in rank order). A rank
+    serves on its host's GPU of that number (modulo the GPUs it sees: :mod:`mlxd.runtime.device`), so the ranks
+    sharing a host never share a GPU, whatever ``CUDA_VISIBLE_DEVICES`` the operator left unset."""
+    seen: dict[str, int] = {}
+    ranks = []
+    for host in hosts:
+        ranks.append(seen.get(host, 0))
+        seen[host] = ranks[-1] + 1
+    return ranks
+
+
+def hostfile_hosts(path: Path) -> list[str]:
+    """The host of each rank in an ``mlx.launch`` hostfile (its ``ssh`` names), read by MLX's own parser."""
+    from mlx._distributed_utils.common import Hostfile
+
+    try:
+        return [host.ssh_hostname for host in Hostfile.from_file(path).hosts]
+    except ValueError as e:
+        raise ConfigError(f"distributed.hostfile: {e}") from e
 
 
 def local_threads(num_ranks: int) -> list[str]:

@@ -67,6 +67,10 @@ class ModelConfig(Base):
     # CUDA: products of 2-16 rows (batched decode steps) through mlxd's own kernel instead of cuBLASLt, whose host
     # cost bounds a batched step (mlxd/runtime/small_batch.py). bfloat16/float16 weights only; no effect elsewhere.
     small_batch_kernel: bool = True
+    # The device this process serves on, as MLX numbers the ones it sees: "gpu:N", "gpu" (gpu:0), "cpu", or "auto":
+    # the first GPU (the CPU without one); in a [distributed] job, each rank its own GPU on its host. Checked at
+    # start-up against the devices MLX reports (mlxd/runtime/device.py).
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|gpu)(:[0-9]+)?$")] = "auto"
     sampling: SamplingDefaults = SamplingDefaults()
 
 

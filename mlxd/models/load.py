@@ -119,8 +119,10 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
     from mlx_lm.utils import dequantize_model
 
     from mlxd.runtime.cuda import prepare_cuda
+    from mlxd.runtime.device import select_device, use_device
 
     prepare_cuda(kind)
+    use_device(select_device(config.device, group=group))  # this thread makes the weights: on the served device
     processor = None
     if kind == "vision":
         from mlxd.models.vision_load import load_vision

@@ -1,0 +1,182 @@
+"""The device one process serves on (``[model] device``), and what each thread that makes MLX arrays does first.
+
+What MLX 0.32 does (``mlx/device.cpp``, ``mlx/stream.cpp``, ``mlx/utils.h``, ``mlx/backend/cuda/device.cpp``,
+``eval.cpp``, ``allocator.cpp``):
+
+- **The default device is one for the whole process** (``set_default_device`` writes a static), and
+  ``mx.stream(s)`` sets it too, restoring the one it found on exit.
+- **Streams belong to threads.** Each thread has its own default stream per device; ``mx.new_stream`` registers its
+  CUDA command encoder in the creating thread only ("There is no Stream(gpu, N) in current thread" elsewhere, N
+  being the stream's number, not a GPU's). mlx-lm's ``generation_stream`` is a thread-local stream whose *device*
+  is fixed when ``mlx_lm.generate`` is first imported: MLX's default device then, which in mlxd is before any
+  config is read. A thread that serves another device must therefore use a stream of its own on that device.
+- **The CUDA device is chosen per thread** (``cudaSetDevice``, cached per thread by ``Device::make_current``): an
+  evaluation makes its stream's device current; reading an array on the host (``tolist``, ``item`` of a device
+  buffer) copies with ``cudaMemcpy`` on whichever device the thread has current. Creating MLX's allocator makes
+  every visible GPU current in turn (one free-stream each), leaving the last one current on that thread.
+
+So :func:`use_device` makes the chosen device the default, gives the calling thread its default stream there and
+evaluates and reads back a small array on it, so that the thread's current CUDA device is the chosen one before
+the thread's own work starts; :func:`device_stream` is what a long-lived thread (the engine's) serves inside.
+
+A ``[distributed]`` rank takes its own GPU on its host: ``mlxd launch`` tells every rank its local rank
+(:data:`LOCAL_RANKS_ENV`), and the rank serves on ``gpu:(local rank % GPUs it sees)``. (``mlx.launch --backend
+nccl`` shows each local rank one GPU already; MLX's NCCL group makes ``rank % GPUs`` current when it starts.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from mlxd.errors import ConfigError
+from mlxd.log import get_logger
+
+log = get_logger("mlxd.runtime")
+
+AUTO = "auto"
+FIELD = "model.device"
+# Set by `mlxd launch` for every rank alike: each rank's local rank on its host, in rank order ("0,1,0,1").
+LOCAL_RANKS_ENV = "MLXD_LOCAL_RANKS"
+DEVICE_PATTERN = r"^(auto|cpu|gpu)(:[0-9]+)?$"
+_DEVICE = re.compile(DEVICE_PATTERN)
+# Elements read back when a thread is set up: 1 KiB, above MLX's small-block pool, so the read is a device copy.
+_PROBE_ELEMENTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    """A device as MLX numbers them: ``type`` "gpu" or "cpu", ``index`` among the ones this process sees."""
+
+    type: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.index}"
+
+
+_chosen: DeviceChoice | None = None
+
+
+def mlx_core() -> Any:
+    """``mlx.core``, imported when first needed (the HTTP layer never imports MLX); tests put a double in its
+    place to report devices that this machine does not have."""
+    import mlx.core
+
+    return mlx.core
+
+
+def reported_devices() -> dict[str, int]:
+    """How many devices of each type MLX reports in this process (GPUs: 0 with MLX's CPU backend)."""
+    mx = mlx_core()
+    return {"gpu": mx.device_count(mx.gpu), "cpu": max(1, mx.device_count(mx.cpu))}
+
+
+def choose_device(setting: str, devices: Mapping[str, int], *, local_rank: int | None = None,
+                  where: str = FIELD) -> DeviceChoice:
+    """The device ``setting`` names, checked against ``devices`` (:func:`reported_devices`).
+
+    ``auto``: the first GPU, or in a ``[distributed]`` job (``local_rank`` given) the rank's own GPU,
+    ``gpu:(local_rank % GPUs)``; the CPU when MLX reports no GPU. ``gpu`` is ``gpu:0``. A device MLX does not
+    report is a ``ConfigError`` that names ``where`` (the file and the field) and the devices there are."""
+    match = _DEVICE.match(setting)
+    if match is None:
+        raise ConfigError(f"{where}: {setting!r} is not a device; use \"auto\", \"gpu:N\", \"gpu\" or \"cpu\"")
+    kind, suffix = match.group(1), match.group(2)
+    num_gpus = devices.get("gpu", 0)
+    if kind == AUTO:
+        if suffix:
+            raise ConfigError(f"{where}: {setting!r}: \"auto\" takes no index; use \"auto\" or \"gpu:N\"")
+        return DeviceChoice("gpu", (local_rank or 0) % num_gpus) if num_gpus else DeviceChoice("cpu", 0)
+    index = int(suffix[1:]) if suffix else 0
+    count = devices.get(kind, 0)
+    if index >= count:
+        there = f"{kind}:0 to {kind}:{count - 1}" if count > 1 else (f"{kind}:0 only" if count else f"no {kind}")
+        raise ConfigError(f"{where}: {setting!r} is not a device here: MLX reports {count} {kind} device(s) "
+                          f"({there}){_visible_note()}")
+    return DeviceChoice(kind, index)
+
+
+def _visible_note() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"; CUDA_VISIBLE_DEVICES={visible} limits what this process sees" if visible is not None else ""
+
+
+def local_rank(rank: int, environ: Mapping[str, str] = os.environ) -> int:
+    """This rank's local rank on its host: its entry in :data:`LOCAL_RANKS_ENV` (set by ``mlxd launch``), else
+    ``rank`` (ranks started by hand, one host)."""
+    entries = environ.get(LOCAL_RANKS_ENV, "").split(",")
+    if rank < len(entries) and entries[rank].strip().isdigit():
+        return int(entries[rank])
+    return rank
+
+
+def select_device(setting: str, *, group: Any = None, where: str = FIELD,
+                  devices: Mapping[str, int] | None = None) -> DeviceChoice:
+    """:func:`choose_device` for this process: MLX's devices, and in a distributed ``group`` this rank's local
+    rank."""
+    rank = local_rank(group.rank()) if group is not None else None
+    return choose_device(setting, devices if devices is not None else reported_devices(), local_rank=rank,
+                         where=where)
+
+
+def use_device(choice: DeviceChoice) -> None:
+    """Serve on ``choice`` from now on: MLX's default device (one for the process) becomes it, and the calling
+    thread is set up for it (:func:`enter_thread`). Call it on the thread that loads the model, before the
+    weights are made; later threads call :func:`enter_thread` or serve inside :func:`device_stream`."""
+    global _chosen
+    _chosen = choice
+    enter_thread(choice)
+    log.info("device", device=str(choice), devices=reported_devices())
+
+
+def chosen_device() -> DeviceChoice | None:
+    """The device :func:`use_device` chose, None before it ran."""
+    return _chosen
+
+
+def enter_thread(choice: DeviceChoice | None = None) -> Any:
+    """Set the calling thread up for ``choice`` (the chosen device by default, else MLX's default): the device is
+    MLX's default, the thread's default stream is on it, and a small array made, evaluated and read back there
+    makes it the thread's current CUDA device. Returns the thread's default stream on the device."""
+    mx = mlx_core()
+    choice = choice or _chosen
+    device = to_mlx(choice) if choice is not None else mx.default_device()
+    mx.set_default_device(device)
+    stream = mx.default_stream(device)
+    mx.set_default_stream(stream)
+    probe = mx.arange(_PROBE_ELEMENTS, dtype=mx.int32, stream=stream)
+    mx.eval(probe)
+    if sum(probe.tolist()) != _PROBE_ELEMENTS * (_PROBE_ELEMENTS - 1) // 2:
+        raise RuntimeError(f"MLX read back a wrong value from {device} on this thread")
+    return stream
+
+
+@contextmanager
+def device_stream(choice: DeviceChoice | None = None) -> Iterator[Any]:
+    """Run a long-lived thread's MLX work (the engine's, a follower's loop) on the chosen device: the thread is
+    set up (:func:`enter_thread`) and a stream of its own on that device is the default inside; everything still
+    running on it is waited for on the way out. Use it instead of mlx-lm's ``generation_stream``, whose device is
+    fixed when mlx-lm is first imported."""
+    mx = mlx_core()
+    enter_thread(choice)
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        yield stream
+    mx.synchronize(stream)
+
+
+def to_mlx(choice: DeviceChoice) -> Any:
+    """``choice`` as an ``mx.Device``."""
+    mx = mlx_core()
+    return mx.Device(mx.gpu if choice.type == "gpu" else mx.cpu, choice.index)
+
+
+def check_device(setting: str, config_path: os.PathLike | str) -> DeviceChoice:
+    """At start-up, before the port is bound: the configured device exists here (imports MLX). Errors name the
+    config file and the field."""
+    return choose_device(setting, reported_devices(), where=f"{config_path}: {FIELD}")
