@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
@@ -42,6 +41,7 @@ from mlxd.engine.step.steptimes import StepTimes
 from mlxd.engine.step.vision import VisionPrefill
 from mlxd.errors import NotReady, Overloaded
 from mlxd.log import get_logger
+from mlxd.runtime.device import device_stream
 
 if TYPE_CHECKING:
     from mlxd.engine.distributed.leader import Leader
@@ -229,9 +229,10 @@ class BatchedEngine:
         if vision is not None:
             vision.start()
         try:
-            with mx.stream(generation_stream):
+            # The device the model was loaded on, with a stream of this thread's own (synchronized on the way out:
+            # nothing of ours may still be running when the thread ends).
+            with device_stream():
                 self._serve()
-            mx.synchronize(generation_stream)  # nothing of ours may still be running when the thread ends
         except BaseException as e:  # noqa: BLE001 - the engine is gone: its requests and its owner are told
             self._die(e)
         finally:

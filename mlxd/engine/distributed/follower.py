@@ -8,9 +8,6 @@ import threading
 import time
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.generate import generation_stream
-
 from mlxd.config.schema import DistributedConfig, EngineConfig
 from mlxd.engine.commands import Stop
 from mlxd.engine.core import EngineCore
@@ -19,6 +16,7 @@ from mlxd.engine.distributed.leader import rank_stats, state_digest
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.errors import DistributedFault
 from mlxd.log import get_logger
+from mlxd.runtime.device import device_stream
 
 log = get_logger("mlxd.distributed")
 
@@ -34,7 +32,7 @@ class Follower:
     def run(self) -> int:
         """Serve rank 0 until it says stop (0); raises when the group breaks or the ranks disagree."""
         core = self.core
-        with mx.stream(generation_stream):
+        with device_stream():  # the device the shard was loaded on, a stream of this thread's own
             core.warm_up()
             log.info("follower_ready", rank=self.channel.rank, size=self.channel.size)
             threading.Thread(target=self._watch, name="mlxd-follower-watchdog", daemon=True).start()

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.log import get_logger
+from mlxd.runtime.device import device_stream
 
 log = get_logger("mlxd.engine")
 
@@ -69,15 +70,13 @@ class ImageEncoder:
         return {"num_jobs": self.num_jobs, "num_images": self.num_images, "busy_s": round(self.busy_s, 3)}
 
     def _run(self) -> None:
-        stream = mx.new_stream(mx.default_device())  # streams belong to the thread that makes them
-        with mx.stream(stream):
+        with device_stream():  # the model's device, with a stream of this thread's own
             while (job := self._jobs.get()) is not None:
                 encoded = self.encode(job)
                 self.num_jobs += 1
                 self.num_images += len(job)
                 self.busy_s += encoded.seconds
                 self._deliver(encoded)
-            mx.synchronize(stream)
 
     def encode(self, job: Job) -> Encoded:
         """One job through the vision tower (:func:`encode_images`); an error is handed back, not raised."""
