@@ -5,6 +5,7 @@
 - A second signal: exit at once (128 + the signal's number).
 - SIGHUP: re-read the config file's ``[logging]`` table and reopen the log file (after logrotate or newsyslog
   moved it); serving goes on.
+- SIGUSR1, SIGUSR2: logged and ignored (their default action would end the process without a drain).
 - A fatal daemon error (the model failed to load, the engine thread ended): exit 1, so that launchd's
   ``KeepAlive`` or systemd's ``Restart=on-failure`` restarts the process.
 
@@ -37,10 +38,13 @@ from mlxd.runtime.connections import (
     make_protocol,
 )
 from mlxd.runtime.descriptors import STARTED_WITH, accept_backlog, connection_limit, raise_descriptor_limit
+from mlxd.runtime.heap import HeapTrimmer
 
 log = get_logger("mlxd.server")
 
 EXIT_FATAL = 1
+# Their default action ends the process with no drain; mlxd ignores them (mlxd.cli, before serving) and logs them.
+USER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 # uvicorn's own wait for open connections once the drain is over (the drain already ended every stream).
 GRACE_S = 5
 
@@ -69,10 +73,13 @@ class Server(uvicorn.Server):
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        # uvicorn handles only SIGINT and SIGTERM; SIGHUP's handler runs on the loop, not inside the signal.
-        hangup = self.config_path is not None and threading.current_thread() is threading.main_thread()
+        # uvicorn handles only SIGINT and SIGTERM; these handlers run on the loop, not inside the signal.
+        main = threading.current_thread() is threading.main_thread()
+        hangup = self.config_path is not None and main
         if hangup:
             self._loop.add_signal_handler(signal.SIGHUP, self._reload_logging, self.config_path)
+        for sig in USER_SIGNALS if main else ():
+            self._loop.add_signal_handler(sig, self._user_signal, sig)
         if self.drops is not None:
             self._loop.set_exception_handler(make_accept_error_handler(self.drops, self._loop.get_exception_handler()))
         try:
@@ -80,8 +87,15 @@ class Server(uvicorn.Server):
         finally:
             if hangup:
                 self._loop.remove_signal_handler(signal.SIGHUP)
+            for sig in USER_SIGNALS if main else ():
+                self._loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)  # not back to the default, which ends the process
             if self.drops is not None:
                 self.drops.close()
+
+    def _user_signal(self, sig: int) -> None:
+        log.info("signal_ignored", signal=signal.Signals(sig).name,
+                 reason="mlxd gives SIGUSR1 and SIGUSR2 no meaning; SIGHUP reopens the log, SIGTERM drains")
 
     def _reload_logging(self, config_path: Path) -> None:
         """SIGHUP: reopen the log file and apply the config's ``[logging]`` table. A config that no longer
@@ -142,12 +156,16 @@ def run_server(app: object, daemon: Daemon, config_path: Path | None = None) -> 
     ``config_path``, SIGHUP re-reads that file's ``[logging]`` table and reopens the log file."""
     server = daemon.config.server
     limits, backlog = connection_limits(server)
-    drops = DroppedConnections()
+    drops, trimmer = DroppedConnections(), HeapTrimmer()
     # log_config=None: uvicorn's lines go through the root logger that mlxd.log set up (the log file, if any).
     config = uvicorn.Config(app, host=server.host, port=server.port, access_log=False, log_level="warning",
                             log_config=None, timeout_graceful_shutdown=GRACE_S, backlog=backlog,
-                            http=make_protocol(limits, drops))
-    return Server(config, daemon, config_path, drops).run()
+                            http=make_protocol(limits, drops, after_request=trimmer.request_ended))
+    trimmer.start()
+    try:
+        return Server(config, daemon, config_path, drops).run()
+    finally:
+        trimmer.stop()
 
 
 def connection_limits(server: ServerConfig) -> tuple[ConnectionLimits, int]:

@@ -111,6 +111,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ConnectionLimits
     drops: DroppedConnections
+    after_request: Callable[[], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -134,7 +135,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if self._refused:
             return
+        if self.cycle is not None and self.after_request is not None:
+            self.after_request()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        if self.after_request is not None:
+            self.after_request()
+        super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
@@ -247,7 +255,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def make_protocol(limits: ConnectionLimits, drops: DroppedConnections) -> type[BoundedHttpToolsProtocol]:
+def make_protocol(limits: ConnectionLimits, drops: DroppedConnections,
+                  after_request: Callable[[], None] | None = None) -> type[BoundedHttpToolsProtocol]:
     """The protocol class to pass as ``uvicorn.Config(http=...)``: :class:`BoundedHttpToolsProtocol` bound to
-    ``limits`` and ``drops``."""
-    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"limits": limits, "drops": drops})
+    ``limits`` and ``drops``; ``after_request`` (optional, cheap, on the loop) is called as each response ends and
+    as each connection that carried a request closes."""
+    attributes = {"limits": limits, "drops": drops, "after_request": staticmethod(after_request)}
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), attributes)
