@@ -147,7 +147,6 @@ def report(results: dict[str, list[dict]], args) -> str:
 
 
 def main() -> None:
-    loadgen.with_openblas()  # every server here computes with the same BLAS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="mlxd,mlx_lm,vllm_mlx")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-mlx installed")
@@ -155,6 +154,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--out")
     args = parser.parse_args()
+    loadgen.with_openblas()  # every server here computes with the same BLAS
     model_path = build_model(Path(args.model_dir))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

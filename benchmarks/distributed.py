@@ -103,7 +103,6 @@ def port_of(command: list[str]) -> int:
 
 
 def main() -> None:
-    with_openblas()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model folder")
     parser.add_argument("--tiny", help="build a tiny random model of this arch instead")
@@ -114,6 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="append a markdown section here (else print it)")
     args = parser.parse_args()
+    with_openblas()
 
     from mlx_lm import load
 

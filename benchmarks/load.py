@@ -380,20 +380,44 @@ def model_folder(model: str | None, tiny: str | None, root: Path | None = None) 
     return str(tiny_model_cached(root or Path(tempfile.mkdtemp()), tiny, hidden_size=128, num_layers=4))
 
 
+def emit(text: str, out: str | None) -> None:
+    """Append the report to ``out``, or print it."""
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+    else:
+        print(text)  # noqa: T201 - the report
+
+
 def with_openblas() -> None:
     """Re-run this script with OpenBLAS preloaded (as ``mlxd`` runs itself), so that every engine measured here,
-    the direct baselines and the servers started from here, computes with the same BLAS."""
-    from mlxd.runtime.blas import find_openblas
+    the direct baselines and the servers started from here, computes with the same BLAS.
+
+    The environment is the daemon's own (:func:`mlxd.runtime.blas.preload_environment`: the pip wheel's OpenBLAS
+    with the gfortran it needs, ``OPENBLAS_THREAD_TIMEOUT``); it is tried on a throwaway ``python -S`` first, and
+    the script carries on with the bundled BLAS when it does not start."""
+    from mlxd.runtime.blas import ENV_REEXECED, find_openblas, preload_environment
 
     lib = find_openblas()
-    if sys.platform != "linux" or lib is None or str(lib) in os.environ.get("LD_PRELOAD", ""):
+    if sys.platform != "linux" or lib is None or os.environ.get(ENV_REEXECED):
         return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (str(lib), os.environ.get("LD_PRELOAD", "")) if p))
+    if str(lib) in os.environ.get("LD_PRELOAD", ""):
+        return
+    try:
+        env = preload_environment(lib, os.environ)
+    except OSError as e:
+        print(f"OpenBLAS not preloaded ({e}); the bundled BLAS computes", file=sys.stderr)  # noqa: T201
+        return
+    env[ENV_REEXECED] = "1"
+    probe = subprocess.run([sys.executable, "-S", "-c", ""], env=env, capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        print(f"OpenBLAS not preloaded ({probe.stderr.strip()}); the bundled BLAS computes",  # noqa: T201
+              file=sys.stderr)
+        return
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def main() -> None:
-    with_openblas()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an mlx-lm model folder")
     parser.add_argument("--tiny", help="build a tiny random model of this arch (hidden 128, 4 layers) instead")
@@ -413,6 +437,7 @@ def main() -> None:
                         help="environment of the baseline server only, 'NAME=value ...' (e.g. the same tree under "
                              "another setting: --baseline-mlxd . --baseline-env OPENBLAS_THREAD_TIMEOUT=4)")
     args = parser.parse_args()
+    with_openblas()  # after parsing: --help needs no BLAS
     levels = [int(x) for x in args.concurrency.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
     logs = args.logs or tmp

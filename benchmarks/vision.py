@@ -562,8 +562,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    loadgen.with_openblas()  # every server started from here computes with the BLAS mlxd uses
     args = parse_args()
+    loadgen.with_openblas()  # every server started from here computes with the BLAS mlxd uses
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-vision-bench-"))
     logs = args.logs = args.logs or tmp
     logs.mkdir(parents=True, exist_ok=True)
