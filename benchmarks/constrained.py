@@ -17,16 +17,11 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-from mlxd.config.schema import EngineConfig
-from mlxd.constraints import GrammarCompiler, make_constraint_factory
-from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
-from mlxd.engine.engine import BatchedEngine
+if TYPE_CHECKING:
+    from mlxd.engine.base import EngineRequest
+    from mlxd.engine.engine import BatchedEngine
 
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 24},
                                                      "minItems": 400}},
@@ -35,6 +30,8 @@ SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {
 
 async def run_batch(engine: BatchedEngine, requests: list[EngineRequest]) -> tuple[int, float]:
     """All requests at once; returns (tokens generated, seconds from the first token to the last)."""
+    from mlxd.engine.base import Failed, Finished, Token
+
     first: list[float] = []
 
     async def one(request: EngineRequest) -> int:
@@ -55,6 +52,8 @@ async def run_batch(engine: BatchedEngine, requests: list[EngineRequest]) -> tup
 
 
 def requests(tokenizer: Any, num: int, tokens: int, factory: Any, tag: str) -> list[EngineRequest]:
+    from mlxd.engine.base import EngineRequest, SamplingParams
+
     prompt = tokenizer.encode("Write a list of short notes about the weather, as JSON.")
     sampling = SamplingParams(temperature=1.0, logit_bias={i: -100.0 for i in tokenizer.eos_token_ids})
     return [EngineRequest(request_id=f"{tag}-{i}", prompt=prompt, max_tokens=tokens, sampling=sampling,
@@ -62,6 +61,13 @@ def requests(tokenizer: Any, num: int, tokens: int, factory: Any, tag: str) -> l
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from mlx_lm import load
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxd.config.schema import EngineConfig
+    from mlxd.constraints import GrammarCompiler, make_constraint_factory
+    from mlxd.engine.engine import BatchedEngine
+
     model, model_tokenizer = load(args.model)
     tokenizer = load_tokenizer(Path(args.tokenizer)) if args.tokenizer else model_tokenizer
     engine = BatchedEngine(model, EngineConfig(max_running=max(args.streams), prefix_cache_bytes=0))
@@ -85,6 +91,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    import mlx.core as mx
+
     lines = [f"Command: `python benchmarks/constrained.py {' '.join(args.argv)}`",
              f"Machine: {platform.machine()} {platform.system()}, MLX device {mx.default_device()}; "
              f"{args.tokens} tokens per stream, median of {args.repeats}.", "",

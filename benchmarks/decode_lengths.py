@@ -31,8 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dispatch_costs import emit  # noqa: E402
-from load import model_folder  # noqa: E402
+from load import emit, model_folder  # noqa: E402
 
 from mlxd.runtime.heap import PAUSES, freeze_loaded_objects  # noqa: E402
 

@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load as loadgen  # noqa: E402
-from dispatch_costs import emit  # noqa: E402
 from vision import OFFLINE, chat, image_turn, mlxd_server  # noqa: E402
 
 
@@ -76,7 +75,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for label, env, sizes in servers if round_ % 2 == 0 else servers[::-1]:
                 lines.append(one_start(label, args, Path(tmp), env, round_, sizes))
-    emit("\n".join(lines) + "\n", args.out)
+    loadgen.emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

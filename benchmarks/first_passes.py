@@ -35,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load as loadgen  # noqa: E402
-from dispatch_costs import emit  # noqa: E402
 
 HEADER = ["| start | pass | prompt words | tok/s | TTFT p50 (s) | kernels compiled | steps | decode build ms/step | "
           "decode wait ms/step | prefill ms | full collections | collector pause ms | server TTFT / prepare / queued / "
@@ -127,7 +126,7 @@ def main() -> None:
         f"{mx.default_device()}, mlx {mx.__version__}, {platform.platform()}; {args.streams} streams of "
         f"{args.max_tokens} greedy tokens a pass; each start with an empty kernel cache.", "",
         *HEADER, *rows, "", ""])
-    emit(text, args.out)
+    loadgen.emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ host and device time of one decode step's projections.
    float16, with and without a bias: the largest difference from a float32 reference, next to MLX's own matmul's
    difference from the same reference. The kernel accumulates in float32, as cuBLAS does, so the two should be
    alike; the script exits non-zero if the kernel's error is more than twice MLX's plus one unit in the last place.
-2. **Time**: the 7 projections of every layer for B rows, all queued then evaluated (``dispatch_costs.py``'s
-   method), through MLX's matmul and through the kernel; ``host`` is the time to build and dispatch, ``total`` until
-   the device has finished. Medians of ``--repeats``.
+2. **Time**: the 7 projections of every layer for B rows, all queued then evaluated, through MLX's matmul and
+   through the kernel; ``host`` is the time to build and dispatch, ``total`` until the device has finished.
+   Medians of ``--repeats``.
 
     python benchmarks/small_batch_matmul.py --rows 1,2,8,16 --out docs/benchmarks/x.md
 """
@@ -16,17 +16,45 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-
-import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dispatch_costs import add_shape_arguments, emit, timed  # noqa: E402
+from load import emit  # noqa: E402
 
-from mlxd.runtime.small_batch import MAX_ROWS, small_batch_matmul  # noqa: E402
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shape a decode step is timed in (Qwen3-8B's by default)."""
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=12288)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+
+
+def timed(build: Callable[[], list], repeats: int) -> tuple[float, float]:
+    """Median host and total milliseconds of building, dispatching and finishing ``build()``'s arrays."""
+    import mlx.core as mx
+
+    host, total = [], []
+    for _ in range(repeats + 2):
+        mx.synchronize()
+        started = time.perf_counter()
+        outputs = build()
+        mx.async_eval(outputs)
+        dispatched = time.perf_counter()
+        mx.eval(outputs)
+        finished = time.perf_counter()
+        host.append(dispatched - started)
+        total.append(finished - started)
+    # The first two runs warm MLX's kernel and graph caches.
+    return statistics.median(host[2:]) * 1e3, statistics.median(total[2:]) * 1e3
 
 
 def shapes(args) -> list[tuple[int, int]]:
@@ -36,6 +64,10 @@ def shapes(args) -> list[tuple[int, int]]:
 
 
 def exactness(args) -> tuple[list[str], bool]:
+    import mlx.core as mx
+
+    from mlxd.runtime.small_batch import small_batch_matmul
+
     lines = ["| weight (N x K) | dtype | rows | bias | kernel max error | MLX matmul max error |", "|---|---|---|---|---|---|"]
     ok = True
     cases = sorted(set(shapes(args))) + [(args.vocab, args.hidden)]
@@ -65,6 +97,10 @@ def exactness(args) -> tuple[list[str], bool]:
 
 
 def projections(args, rows: int, ours: bool, warps: int, tiles: int):
+    import mlx.core as mx
+
+    from mlxd.runtime.small_batch import MAX_ROWS, small_batch_matmul
+
     weights = [[(mx.random.normal(shape) * 0.02).astype(mx.bfloat16) for shape in shapes(args)]
                for _ in range(args.layers)]
     inputs = {k: mx.random.normal((rows, 1, k)).astype(mx.bfloat16) for k in {k for _, k in shapes(args)}}
@@ -76,6 +112,8 @@ def projections(args, rows: int, ours: bool, warps: int, tiles: int):
 
 
 def timing(args) -> list[str]:
+    import mlx.core as mx
+
     lines = ["| rows | MLX matmul host ms | MLX matmul total ms | kernel host ms | kernel total ms | total, kernel / MLX |",
              "|---|---|---|---|---|---|"]
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -100,6 +138,7 @@ def main() -> None:
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--out", help="append a markdown section here (else print it)")
     args = parser.parse_args()
+    import mlx.core as mx
 
     lines = [f"Device: {mx.default_device()}, mlx {mx.__version__}, {platform.platform()}. {args.layers} layers, "
              f"hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads ({args.kv_heads} for keys "

@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compiled_decode import CompiledDecode  # noqa: E402
 from load import direct_batch_generator, model_folder, pick_prompts, versions  # noqa: E402
 from speculative_engine import stream_times  # noqa: E402
 
@@ -48,32 +47,27 @@ def matmul_us(hidden: int, width: int, rows: int, dtype, calls: int = 200) -> fl
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool,
-                  compiled=None) -> tuple[float, float, float, float]:
+def forward_floor(model, prompts: list[list[int]], steps: int, batched: bool) -> tuple[float, float, float, float]:
     """``(graph ms, dispatch ms, wait ms, total ms)`` per decode step of mlx-lm's model alone, pipelined: Python
-    building the step's graph, MLX dispatching it (``async_eval``), waiting for the previous step's tokens.
-    ``compiled`` (a :class:`compiled_decode.CompiledDecode`) replaces the model's call, on a batched cache."""
+    building the step's graph, MLX dispatching it (``async_eval``), waiting for the previous step's tokens."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
     rows = len(prompts)
     length = min(len(p) for p in prompts)
     tokens = mx.array([p[:length] for p in prompts])
-    cache = ([BatchKVCache(left_padding=[0] * rows) for _ in model.layers] if batched or compiled
+    cache = ([BatchKVCache(left_padding=[0] * rows) for _ in model.layers] if batched
              else make_prompt_cache(model))
     logits = model(tokens, cache=cache)
     y = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(y)
 
     def decode(y):
-        return compiled(y, cache) if compiled else model(y[:, None], cache=cache)[:, -1, :]
+        return model(y[:, None], cache=cache)[:, -1, :]
 
-    first = time.perf_counter()
-    for _ in range(2):  # the first step of a batch shape traces the compiled step
+    for _ in range(2):  # the first steps of a batch shape build what MLX keeps per shape
         y = mx.argmax(decode(y), axis=-1)
         mx.eval(y)
-    print(f"  {rows} rows, {'compiled ' if compiled else ''}first 2 steps {(time.perf_counter() - first) * 1000:.0f} ms",
-          flush=True)  # noqa: T201 - progress: what tracing costs
     graph = dispatch = wait = 0.0
     start = time.perf_counter()
     for _ in range(steps):
@@ -189,8 +183,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the best of each point is kept")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="also run the engine with this sys.setswitchinterval (seconds)")
-    parser.add_argument("--parts", default="matmul,floor,compiled,batch,generator,engine",
-                        help="comma list of what to measure: matmul, floor, compiled, batch, generator, engine")
+    parser.add_argument("--parts", default="matmul,floor,batch,generator,engine",
+                        help="comma list of what to measure: matmul, floor, batch, generator, engine")
     parser.add_argument("--kernel-ab", action="store_true",
                         help="CUDA: run every part with mlxd's small-batch kernel and with MLX's matmul, in turn")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
@@ -209,7 +203,6 @@ def main() -> None:
     parts = set(args.parts.split(","))
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]
-    compiled = CompiledDecode(model) if "compiled" in parts else None  # its traces are kept across rounds
     modes = kernel_modes(model) if args.kernel_ab else {"": lambda: None}
     engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
     engine.start()
@@ -232,12 +225,10 @@ def main() -> None:
                     us = matmul_us(args_.hidden_size, args_.intermediate_size, n, dtype)
                     gbps = args_.hidden_size * args_.intermediate_size * dtype.size / us / 1e3
                     keep(("matmul" + mode, n), us, f"{us:.1f} µs, {gbps:.0f} GB/s of weights", higher=False)
-                floors = [*([(False, None)] if n == 1 else []), (True, None)] if "floor" in parts else []
-                floors += [(True, compiled)] if compiled is not None and n > 1 else []
-                for batched, comp in floors:
-                    g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched, comp)
-                    label = "forward floor, " + ("compiled BatchKVCache" if comp else
-                                                 "BatchKVCache" if batched else "KVCache") + mode
+                floors = [*([False] if n == 1 else []), True] if "floor" in parts else []
+                for batched in floors:
+                    g, d, w, t = forward_floor(model, prompts[:n], args.max_tokens, batched)
+                    label = "forward floor, " + ("BatchKVCache" if batched else "KVCache") + mode
                     keep((label, n), t, f"build {g + d:.2f} ms (graph {g:.2f}, dispatch {d:.2f}), wait {w:.2f} ms, "
                                         f"step {t:.2f} ms, {n * 1000 / t:.0f} tok/s", higher=False)
                 if "batch" in parts:

@@ -3,7 +3,7 @@
 **cuDNN attention is turned off.** MLX 0.32 sends attention over several query positions (prompt chunks, speculative
 verify passes, vision towers) to cuDNN's SDPA, which builds an execution plan for each new shape and caches it.
 Serving meets new shapes all the time: every prompt length, every group of prompts processed together, every chunk
-of a long prompt (its keys grow). On an H200 (Qwen3-8B shape, bf16; ``benchmarks/attention_plans.py``, results in
+of a long prompt (its keys grow). On an H200 (Qwen3-8B shape, bf16; results in
 ``docs/benchmarks/engine.md``) a one-row prompt pass of a length not seen before took 49-71 ms against 10-13 ms
 for a length seen before; eight rows together, 59 ms to almost a second. With cuDNN attention off, MLX runs the same
 attention through its own kernels: 13-42 ms and 20-82 ms for new lengths, the same as before for seen ones, and

@@ -4,7 +4,7 @@ Why: a batched decode step multiplies a handful of rows (one per stream) by ever
 0.32 runs one row through its own matrix-vector kernel, but two rows and more through cuBLASLt, which costs the
 host 23-30 µs a call (descriptors, an algorithm heuristic, stream capture; no plan is kept). A Qwen3-8B step has
 252 projections, so from two rows on the host needs 6-8 ms a step for them while the device needs about 5: the
-batch is bound by the host (``benchmarks/dispatch_costs.py``, ``docs/benchmarks/engine.md``).
+batch is bound by the host (``docs/benchmarks/engine.md``).
 
 The kernel here is an MLX custom CUDA kernel (``mx.fast.cuda_kernel``): an ordinary kernel node in MLX's graph,
 10-19 µs of host time a call on an H200 (``benchmarks/small_batch_matmul.py``). It reads each weight once for all rows, with tensor cores
@@ -146,7 +146,7 @@ _SOURCE = """
 def _kernel(has_bias: bool, bf16: bool, tiles: int, warps: int) -> Any:
     """The kernel of one variant, its constants written into its source. MLX also takes them as ``template``
     arguments of each call, but then formats them into the kernel's name and source on every call: 0.7 µs more a
-    call on an H100 (``benchmarks/kernel_call_cost.py``), 252 calls a decode step of Qwen3-8B. MLX keeps compiled
+    call on an H100 (``docs/benchmarks/engine.md``), 252 calls a decode step of Qwen3-8B. MLX keeps compiled
     kernels by name, so every variant has its own."""
     import mlx.core as mx
 
