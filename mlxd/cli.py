@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -110,6 +111,9 @@ def serve(argv: list[str]) -> NoReturn:
 
     maybe_reexec_with_openblas(sys.argv[1:])
     import mlxd.runtime.descriptors  # noqa: F401 (records the descriptor limit before importing mlx-lm lowers it)
+
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # they would end the process; the server logs them once serving
+        signal.signal(sig, signal.SIG_IGN)
 
     config, pipeline = load_everything(args.config)
     from mlxd.api.app import create_app

@@ -3,11 +3,22 @@ directory cannot shadow, interrupted GGUF conversions cleaned up, early disconne
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 
+from mlxd.runtime.blas import ENV_REEXECED
 from mlxd.runtime.heap import HeapTrimmer, rss_bytes
+from tests.helpers import free_port, stop_process, wait_healthy, write_config
 
 linux_glibc = pytest.mark.skipif(sys.platform != "linux", reason="malloc_trim and /proc are Linux (glibc) only")
 
@@ -27,3 +38,84 @@ def test_the_trimmer_gives_back_what_a_burst_freed_in_the_middle_of_the_heap():
     assert given_back is not None and given_back > 250 << 20, given_back
     assert trimmer.trim_if_grown() is None  # nothing grew since: no second trim
     assert len(kept) == 2_000
+
+
+SHADOW = 'raise SystemExit("{name}.py in the working directory was imported instead of the installed {name}")\n'
+
+
+@pytest.fixture(scope="module")
+def shadowed_daemon(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, int, subprocess.Popen, Path]]:
+    """The daemon started the way a service starts it, from a working directory holding ``litestar.py`` and
+    ``msgspec.py`` that end any process importing them."""
+    cwd = tmp_path_factory.mktemp("shadowing")
+    for name in ("litestar", "msgspec"):
+        (cwd / f"{name}.py").write_text(SHADOW.format(name=name))
+    port = free_port()
+    config = write_config(cwd, tiny_model_dir, port=port)
+    log = cwd / "mlxd.log"
+    mlxd = Path(sys.executable).with_name("mlxd")  # the console script: no working directory on sys.path
+    with open(cwd / "out.log", "wb") as out:
+        proc = subprocess.Popen([str(mlxd), "--config", str(config), "--log-file", str(log)], cwd=cwd, stdout=out,
+                                stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items()
+                                                                if k not in ("PYTHONPATH", ENV_REEXECED)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, 120, cwd / "out.log")
+        yield base, port, proc, log
+    finally:
+        stop_process(proc)
+
+
+def complete(base: str) -> str:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4}
+    response = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+@linux_glibc
+def test_a_module_in_the_working_directory_does_not_shadow_a_dependency_after_the_reexec(shadowed_daemon):
+    base, _, proc, _ = shadowed_daemon
+    cwd = Path(f"/proc/{proc.pid}/cwd").resolve()
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"{ENV_REEXECED}=1".encode() in environ  # the process serving is the re-executed one
+    complete(base)
+    # The control: `python -m` from that folder imports the fake module.
+    control = subprocess.run([sys.executable, "-m", "mlxd", "check-config", "mlxd.toml"], cwd=cwd,
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert control.returncode != 0 and "in the working directory was imported" in control.stderr
+
+
+@linux_glibc
+def test_sigusr1_and_sigusr2_are_logged_and_ignored(shadowed_daemon):
+    base, _, proc, log = shadowed_daemon
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR1):
+        proc.send_signal(sig)
+        time.sleep(0.3)  # two of one kind pending at once would be delivered as one
+    assert proc.poll() is None
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    complete(base)
+    ignored = [e["signal"] for e in events(log) if e["event"] == "signal_ignored"]
+    assert ignored == ["SIGUSR1", "SIGUSR2", "SIGUSR1"]
+
+
+def test_a_client_that_leaves_before_its_body_is_read_is_an_info_line(shadowed_daemon):
+    base, port, _, log = shadowed_daemon
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + b'{"model": "tiny", "prompt": "' + b"a" * 70_000)
+            time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while len([e for e in events(log) if e["event"] == "client_disconnected"]) < 3:
+        assert time.monotonic() < deadline, "no client_disconnected lines"
+        time.sleep(0.1)
+    lines = [e for e in events(log) if e["event"] == "client_disconnected"]
+    assert all(e["level"] == "info" and "exception" not in e for e in lines), lines
+    assert not [e for e in events(log) if e["level"] == "error"]
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]

@@ -12,7 +12,7 @@ import re
 
 import structlog
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, InternalServerException, ValidationException
 
 from mlxd.api.schemas import ErrorBody, ErrorDetail
 from mlxd.errors import AuthenticationError, MlxdError
@@ -26,6 +26,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 CLIP = 64
+# What Litestar raises (as a 500) when the client leaves while its body is read: litestar/connection/request.py.
+BODY_DISCONNECT = "client disconnected prematurely"
 MAX_MESSAGE = 1024
 # An absolute path: POSIX with at least two segments (API routes under /v1/ and /docs/ excepted), home-relative,
 # or a Windows drive path. It must start a word, so that "application/json" is left alone.
@@ -78,6 +80,10 @@ def handle_validation(_: Request, exc: ValidationException) -> Response[ErrorBod
 
 def handle_http(request: Request, exc: HTTPException) -> Response[ErrorBody]:
     status = exc.status_code
+    if isinstance(exc, InternalServerException) and exc.detail == BODY_DISCONNECT:
+        # Nothing is sent (the client is gone) and nothing is wrong with the daemon: an info line, no traceback.
+        log.info("client_disconnected", path=request.url.path, phase="reading the body")
+        return error_response(499, "the client disconnected before its body was read", "client_disconnected")
     if status >= 500:
         return _internal_error(request, exc)
     return error_response(status, str(exc.detail), _TYPES.get(status, "invalid_request_error"), headers=exc.headers)

@@ -2,7 +2,8 @@
 
 The ``mlx-cpu`` wheel links a bundled reference BLAS; float32 matmuls run 25-45x faster with OpenBLAS. The wheel's
 BLAS symbols are resolved when the process starts, so the only way to swap the library is ``LD_PRELOAD`` at exec
-time: ``maybe_reexec_with_openblas`` re-executes mlxd once with OpenBLAS preloaded.
+time: ``maybe_reexec_with_openblas`` re-executes mlxd once with OpenBLAS preloaded (``python -P -m mlxd``: the
+working directory is not searched for modules, see :func:`reexec_command`).
 
 Where OpenBLAS comes from, in this order:
 
@@ -214,8 +215,21 @@ def _loadable_environment() -> dict[str, str] | None:
     return None
 
 
+def reexec_command(module: str, argv: list[str], env: dict[str, str]) -> list[str]:
+    """``python -P -m <module> *argv``: ``-P`` keeps the working directory off ``sys.path``, so that a file there
+    named like a dependency (``msgspec.py``, ``litestar.py``) is not imported in its place, as ``python -m`` alone
+    would; ``PYTHONPATH`` and the environment's packages stay as they are (``-I`` would drop ``PYTHONPATH``, which
+    third-party stages may be found through). Run from the root of an mlxd checkout, that folder is added to
+    ``env``'s ``PYTHONPATH``, so that a checkout that is not installed runs as it did."""
+    root = Path(__file__).resolve().parents[2]
+    if root == Path.cwd().resolve():
+        env["PYTHONPATH"] = _prepend(str(root), env.get("PYTHONPATH"))
+    return [sys.executable, "-P", "-m", module, *argv]
+
+
 def maybe_reexec_with_openblas(argv: list[str], *, module: str = "mlxd") -> None:
-    """Re-execute ``python -m <module> *argv`` with OpenBLAS in ``LD_PRELOAD``, or return doing nothing.
+    """Re-execute ``python -P -m <module> *argv`` (:func:`reexec_command`) with OpenBLAS in ``LD_PRELOAD``, or
+    return doing nothing.
 
     Does nothing off Linux, when ``MLXD_OPENBLAS=0``, when no OpenBLAS is found or none loads (each is tried in
     a throwaway process first), when one is already preloaded, and in a process that is itself the re-execution
@@ -235,7 +249,7 @@ def maybe_reexec_with_openblas(argv: list[str], *, module: str = "mlxd") -> None
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+        os.execve(sys.executable, reexec_command(module, argv, env), env)
     except OSError as e:  # exec failed; the process is intact, so carry on with the bundled BLAS
         log.warning("could not re-execute %s with OpenBLAS preloaded (%s); running with mlx's bundled BLAS", module, e)
 
