@@ -119,3 +119,34 @@ def test_a_client_that_leaves_before_its_body_is_read_is_an_info_line(shadowed_d
 
 def events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def test_interrupted_gguf_conversions_are_removed_when_the_daemon_next_loads_a_gguf(tmp_path):
+    from mlxd.models import gguf
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF stand-in: the converted folder below is already there")
+    cache = tmp_path / "cache"
+    target = cache / f"model-{gguf._content_digest(source)[:16]}-c{gguf.CONVERTER_VERSION}"
+    target.mkdir(parents=True)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    dead = int(ended.stdout)
+    day_old = time.time() - 2 * gguf.STALE_TEMP_S
+    folders = {  # name: (age, removed?)
+        f".{target.name}.tmp-{gguf._HOST}-{dead}-k2j4h1x_": (None, True),
+        f".{target.name}.tmp-{gguf._HOST}-{os.getpid()}-a8sd7f6g": (None, False),  # a conversion running now
+        f".{target.name}.tmp-otherhost-{dead}-q1w2e3r4": (None, False),  # maybe running on that machine
+        f".{target.name}.tmp-otherhost-{dead}-z9x8c7v6": (day_old, True),
+        f".{target.name}.ab12cd34": (None, False),  # an older converter's, maybe running
+        f".{target.name}.ef56gh78": (day_old, True),
+        ".not-a-conversion": (day_old, False),
+    }
+    for name, (age, _) in folders.items():
+        (cache / name).mkdir()
+        (cache / name / "model.safetensors").write_bytes(b"half written")
+        if age is not None:
+            os.utime(cache / name, (age, age))
+    assert gguf.ensure_converted(source, cache) == target
+    left = {path.name for path in cache.iterdir()}
+    assert left == {target.name} | {name for name, (_, removed) in folders.items() if not removed}

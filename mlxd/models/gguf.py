@@ -20,8 +20,10 @@ import mmap
 import os
 import re
 import shutil
+import socket
 import struct
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.errors import ModelLoadError
+from mlxd.log import get_logger
 from mlxd.models.gguf_tokenizer import special_token_ids, write_tokenizer_files
+
+log = get_logger("mlxd.models")
 
 # Part of the cache folder name: bump it whenever the output of a conversion changes, so that folders written
 # by an older converter are not reused.
@@ -53,6 +58,13 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
                    11: "<q", 12: "<d"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+
+# A conversion's temporary folder: ".<target>.tmp-<host>-<pid>-<random>"; an older converter's had no host or pid
+# (".<target>.<random>", tempfile's eight characters). Either is removed once clearly abandoned.
+_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64]
+_TEMP = re.compile(r"\.(?P<target>.+-[0-9a-f]{16}-c\d+)\.tmp-(?P<host>\w+)-(?P<pid>\d+)-\w+")
+_LEGACY_TEMP = re.compile(r"\.(?P<target>.+-[0-9a-f]{16}-c\d+)\.\w{8}")
+STALE_TEMP_S = 24 * 3600
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -320,21 +332,60 @@ def _content_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _interrupted(folder: Path, now: float) -> bool:
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    if (match := _TEMP.fullmatch(folder.name)) is not None and match["host"] == _HOST:
+        return not _alive(int(match["pid"]))
+    if match is None and _LEGACY_TEMP.fullmatch(folder.name) is None:
+        return False  # not a conversion's folder
+    try:
+        return now - folder.stat().st_mtime > STALE_TEMP_S
+    except OSError:
+        return False
+
+
+def remove_interrupted_conversions(cache_dir: Path) -> list[Path]:
+    """Remove the temporary folders that conversions which never finished (the process was killed) left in
+    ``cache_dir``: those of a process of this machine that no longer runs, and any older than a day (another
+    machine's, on a shared cache, or an older converter's, whose names carry no process id). Returns them."""
+    now = time.time()
+    removed = [folder for folder in sorted(Path(cache_dir).glob(".*")) if _interrupted(folder, now)]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info("removed_interrupted_conversion", folder=str(folder))
+    return removed
+
+
 def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     """Return the folder converted from ``gguf_path`` under ``cache_dir``, converting on first use.
 
     The folder is named after the file's stem, a hash of its content and the converter version, so an edited
-    file or a newer converter gets a fresh folder. Conversion goes to a temporary folder that is renamed into
-    place, so a crashed or concurrent conversion never leaves a half-written folder behind.
+    file or a newer converter gets a fresh folder. Conversion goes to a temporary folder (named after this machine
+    and process) that is renamed into place, so a crashed or concurrent conversion never leaves a half-written
+    folder behind; the temporary folders of interrupted conversions are removed here first
+    (:func:`remove_interrupted_conversions`).
     """
     gguf_path, cache_dir = Path(gguf_path), Path(cache_dir)
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file {gguf_path} does not exist")
     target = cache_dir / f"{gguf_path.stem}-{_content_digest(gguf_path)[:16]}-c{CONVERTER_VERSION}"
+    if cache_dir.is_dir():
+        remove_interrupted_conversions(cache_dir)
     if target.is_dir():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{_HOST}-{os.getpid()}-", dir=cache_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
         convert_gguf(gguf_path, tmp)
