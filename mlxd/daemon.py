@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config.schema import DaemonConfig
-from mlxd.errors import MlxdError, ModelNotFound, NotReady
+from mlxd.errors import MlxdError, ModelNotFound, NotReady, Overloaded
 from mlxd.log import get_logger
+from mlxd.pipeline.job import Job
 from mlxd.pipeline.pipeline import Pipeline
+from mlxd.pipeline.preparation import Preparation
 from mlxd.pipeline.stage import ModelInfo, PipelineContext
+from mlxd.runtime.cancel import CancelFlag
 from mlxd.runtime.heap import PAUSES, freeze_loaded_objects
 
 log = get_logger("mlxd.daemon")
@@ -65,6 +69,11 @@ class Daemon:
         self.load_s: float | None = None
         self._drain_deadline: float | None = None
         self.freeze_heap = freeze_heap
+        server = config.server
+        self.preparation = Preparation(server.prepare_workers or min(4, os.cpu_count() or 1))
+        self.max_preparing = server.max_preparing or config.engine.max_waiting
+        # Bytes of rendered text that prove a prompt cannot fit the context (mlxd.api.validate); set once loaded.
+        self.max_prompt_bytes = 0
 
     @property
     def ready(self) -> bool:
@@ -132,6 +141,11 @@ class Daemon:
             vocab_size=self.engine.vocab_size,  # the logits width, measured at warm-up
             image_token_id=getattr(loaded.model, "image_token_id", None),
         )
+        self.max_prompt_bytes = prompt_bytes_bound(loaded.context_length, tokenizer)
+        if loaded.kind == "vision":
+            from mlxd.media.images import bound_pillow
+
+            bound_pillow(self.config.vision.max_decode_pixels)
         self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
                                               processor=loaded.processor, base_dir=self.base_dir))
         if loaded.kind == "vision":
@@ -173,31 +187,63 @@ class Daemon:
     def close(self) -> None:
         """Stop the engine (ending whatever still runs) and log the ``shutdown`` line."""
         totals = dict(self.engine.totals) if self.engine is not None else {}
+        self.preparation.close()
         if self.engine is not None:
             self.engine.stop()
         previous, self.state = self.state, "stopped"
         log.info("shutdown", previous_state=previous, error=self.error, **totals)
 
+    async def prepare(self, job: Job, flag: CancelFlag, until: str | None = None) -> Job:
+        """Run the pipeline's ``prepare`` (up to the stage named ``until``) on a preparation worker.
+
+        Requests waiting for or in preparation count against the queue: beyond ``[server] max_preparing``, or
+        when they and the engine's requests fill ``[engine] max_running + max_waiting``, a newcomer gets
+        ``Overloaded`` (429 with ``Retry-After``) before any work. ``flag`` stops the work at its next check."""
+        engine, preparation = self.engine, self.preparation
+        num_preparing = preparation.num_preparing
+        num_engine = engine.num_active if engine is not None else 0
+        capacity = self.config.engine.max_running + self.config.engine.max_waiting
+        if num_preparing >= self.max_preparing or num_preparing + num_engine >= capacity:
+            retry_after = max(engine.retry_after_s() if engine is not None else 1.0, preparation.estimate_s())
+            raise Overloaded(f"{num_preparing} requests are being prepared (at most {self.max_preparing}) and "
+                             f"{num_engine} are in the engine (at most {capacity} in all); retry shortly",
+                             retry_after=retry_after)
+        return await preparation.submit(self.pipeline.prepare, job, until, flag=flag)
+
+    def size_limits(self) -> dict[str, int]:
+        """The bounds ``mlxd.api.validate.check_size`` checks a body against (no text bound before loading)."""
+        return {"max_prompt_bytes": self.max_prompt_bytes, "max_messages": self.config.server.max_messages,
+                "context_length": self.model_info.context_length if self.model_info is not None else 0}
+
+    def _num_busy(self) -> int:
+        return (self.engine.num_active if self.engine is not None else 0) + self.preparation.num_preparing
+
     async def drain(self, timeout_s: float) -> None:
-        """Stop taking requests (503 with ``Retry-After``) and let running ones finish within ``timeout_s``; then
-        end the rest with a final error event. Logs a ``drain`` line when it starts and when it ends."""
+        """Stop taking requests (503 with ``Retry-After``) and let running ones (in preparation or in the engine)
+        finish within ``timeout_s``; then end the rest with a final error event. Logs a ``drain`` line when it
+        starts and when it ends."""
         started = time.monotonic()
         if self.state in ("loading", "ready"):
             self.state = "draining"
         self._drain_deadline = started + timeout_s
         engine = self.engine
-        num_active = engine.num_active if engine is not None else 0
-        log.info("drain", phase="start", num_active=num_active, timeout_s=timeout_s)
-        while engine is not None and engine.num_active and time.monotonic() < self._drain_deadline:
+        num_active, num_preparing = self._num_busy(), self.preparation.num_preparing
+        log.info("drain", phase="start", num_active=num_active, num_preparing=num_preparing, timeout_s=timeout_s)
+        while self._num_busy() and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
-        num_aborted = engine.num_active if engine is not None else 0
-        if num_aborted:
+        num_unprepared = self.preparation.cancel_all(
+            f"the server is shutting down: the request was not prepared within the drain timeout ({timeout_s:g} s); "
+            "retry it")
+        num_aborted = (engine.num_active if engine is not None else 0) + num_unprepared
+        if engine is not None and engine.num_active:
             engine.abort_all(f"the server is shutting down: the request did not finish within the drain timeout "
                              f"({timeout_s:g} s); retry it")
             # The final frames reach the clients once the engine has sent the events.
             settle = time.monotonic() + 5
             while engine.num_active and time.monotonic() < settle:
                 await asyncio.sleep(0.02)
+        if num_unprepared:  # their requests answer once their workers reach a check; a stuck one is not waited for
+            await asyncio.sleep(0.2)
         log.info("drain", phase="done", num_finished=max(0, num_active - num_aborted), num_aborted=num_aborted,
                  drain_s=round(time.monotonic() - started, 3))
 
@@ -253,6 +299,15 @@ class Daemon:
         aliases = f" or a name matching {self.config.model.aliases}" if self.config.model.aliases else ""
         shown = requested if len(requested) <= 64 else requested[:64] + "…"  # never echo a huge value back
         raise ModelNotFound(f"model {shown!r} is not served here; use {self.name!r}{aliases}", param="model")
+
+
+def prompt_bytes_bound(context_length: int, tokenizer: Any) -> int:
+    """Bytes of rendered text that cannot fit in ``context_length`` tokens: no token stands for more text than its
+    vocabulary entry's UTF-8 bytes, and a normalizer such as NFKC folds at most 4 bytes of input into 1 (the
+    template stage refuses on the same bound, after rendering)."""
+    from mlxd.pipeline.stages.template import max_token_bytes
+
+    return context_length * max_token_bytes(tokenizer) * 4
 
 
 def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None) -> int:

@@ -12,7 +12,6 @@ the OpenAI surface writes (``mlxd.api.errors``), so both surfaces say the same t
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import structlog
@@ -35,11 +34,10 @@ from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
 from mlxd.api.output import EventStream
 from mlxd.api.schemas import ErrorBody
+from mlxd.api.validate import check_size
 from mlxd.daemon import Daemon
-from mlxd.errors import AuthenticationError, MlxdError, PipelineError
+from mlxd.errors import AuthenticationError, MlxdError
 from mlxd.log import get_logger
-from mlxd.pipeline.job import Job
-from mlxd.pipeline.pipeline import Pipeline
 
 log = get_logger("mlxd.request")
 
@@ -80,18 +78,6 @@ def handle_unexpected(request: Request, exc: Exception) -> Response[ErrorRespons
     return _reshaped(errors.handle_unexpected(request, exc))
 
 
-def shape_prompt(pipeline: Pipeline, job: Job) -> Job:
-    """Run the ``prepare`` of the stages before ``prefill`` (normalize, template, route: what renders and tokenizes
-    the prompt), so that ``job.prompt_ids`` is the prompt a request would run, without checking it against the
-    context or generating. Blocking: call it on a worker thread."""
-    names = [name for name, _ in pipeline.stages]
-    if PREFILL_STAGE not in names:
-        raise PipelineError(f"counting tokens needs a `{PREFILL_STAGE}` stage in the pipeline ({pipeline.source})")
-    for _, stage in pipeline.stages[: names.index(PREFILL_STAGE)]:
-        stage.prepare(job)
-    return job
-
-
 class AnthropicController(Controller):
     path = "/v1"
     tags = ["Anthropic"]
@@ -112,8 +98,9 @@ class AnthropicController(Controller):
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         jobs.check_top_k(data, daemon.model_info)
+        check_size(data, **daemon.size_limits())
         job = jobs.messages_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "messages", metrics.observe)
+        events, trace = await respond.start(daemon, job, "messages", metrics.observe, receive=request.receive)
         clamped = job.max_tokens_clamped_from is not None
         if not data.stream:
             outputs = await respond.collect(events, trace, request.receive)
@@ -122,14 +109,16 @@ class AnthropicController(Controller):
         return EventStream(respond.stream_sse(events, trace, renderer))
 
     @post("/messages/count_tokens", status_code=200, dto=StrictJSON[CountTokensRequest], return_dto=None)
-    async def count_tokens(self, data: JSONBody[CountTokensRequest], daemon: NamedDependency[Daemon]
-                           ) -> CountTokensResponse:
+    async def count_tokens(self, request: Request, data: JSONBody[CountTokensRequest],
+                           daemon: NamedDependency[Daemon]) -> CountTokensResponse:
         """The number of tokens of the prompt a request with these messages, system prompt, tools and thinking
-        setting would run; nothing is generated, and a prompt longer than the context is counted, not refused."""
+        setting would run (the stages before ``prefill``: normalize, template, route); nothing is generated, and a
+        prompt longer than the context is counted, not refused, unless its text alone proves it cannot fit (400)."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
+        check_size(data, **daemon.size_limits())
         job = jobs.prompt_job(data, model)
         structlog.contextvars.bind_contextvars(request_id=job.request_id)
-        await asyncio.to_thread(shape_prompt, daemon.pipeline, job)
+        await respond.prepare(daemon, job, request.receive, until=PREFILL_STAGE)
         log.info("count_tokens", request_id=job.request_id, model=model, prompt_tokens=len(job.prompt_ids))
         return CountTokensResponse(input_tokens=len(job.prompt_ids))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +120,17 @@ def matches(presented: list[str], digests: tuple[bytes, ...]) -> bool:
     return found
 
 
-Guard = Callable[[ASGIConnection, BaseRouteHandler], None]
+Guard = Callable[[ASGIConnection, BaseRouteHandler], Awaitable[None]]
 
 
 def make_guard(keys: Keys) -> Guard:
-    """The app-wide Litestar guard enforcing each handler's ``access`` (see the module docstring)."""
+    """The app-wide Litestar guard enforcing each handler's ``access`` (see the module docstring).
 
-    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    A coroutine function doing no blocking work (a few SHA-256 digests of header values): Litestar runs a plain
+    function guard on a worker thread, where it would wait behind request work before even ``/health`` could
+    answer."""
+
+    async def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         access = handler.opt.get("access", KEY)
         if not keys.enabled:
             connection.state[_IS_ADMIN] = True

@@ -21,7 +21,7 @@ from mlxd.api.schemas import (
     ModelCard,
     ModelList,
 )
-from mlxd.api.validate import check_against_model
+from mlxd.api.validate import check_against_model, check_size
 from mlxd.daemon import Daemon
 
 
@@ -39,8 +39,9 @@ class OpenAIController(Controller):
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
+        check_size(data, **daemon.size_limits())
         job = jobs.chat_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
-        events, trace = await respond.start(daemon.pipeline, job, "chat", metrics.observe, n=data.n)
+        events, trace = await respond.start(daemon, job, "chat", metrics.observe, n=data.n, receive=request.receive)
         created, logprobs = int(time.time()), job.num_logprobs is not None
         if not data.stream:
             outputs = await respond.collect(events, trace, request.receive)
@@ -58,8 +59,10 @@ class OpenAIController(Controller):
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
         check_against_model(data, daemon.model_info)
+        check_size(data, **daemon.size_limits())
         job = jobs.completion_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
-        events, trace = await respond.start(daemon.pipeline, job, "completions", metrics.observe, n=data.n)
+        events, trace = await respond.start(daemon, job, "completions", metrics.observe, n=data.n,
+                                            receive=request.receive)
         created = int(time.time())
         echo = job.prompt_text if data.echo else ""
         if not data.stream:

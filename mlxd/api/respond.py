@@ -6,7 +6,8 @@ surface's :class:`~mlxd.api.output.Renderer`, which turns it into SSE frames (op
 and Responses APIs name theirs).
 
 Both paths end in one canonical log line per request. Leaving early (a client gone, a stop sequence) closes
-the pipeline's stream, which ends the engine request.
+the pipeline's stream, which ends the engine request; a client that leaves while its request is still being
+prepared stops the preparation (:func:`prepare`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
 from mlxd.api.output import Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
+from mlxd.daemon import Daemon
 from mlxd.engine.base import Plain
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
 from mlxd.pipeline.events import Done, KeepAlive, TokenLogprobs
 from mlxd.pipeline.job import Job
-from mlxd.pipeline.pipeline import Pipeline
+from mlxd.runtime.cancel import CancelFlag, Cancelled
 
 log = get_logger("mlxd.request")
 
@@ -120,19 +122,17 @@ def _decode_fields(decode: dict[str, Any] | None, job: Job) -> dict[str, Any] | 
                                                                                        "drafter": mode.drafter}
 
 
-async def start(pipeline: Pipeline, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
-                n: int = 1) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
-    """Prepare the job and open its stream (``n`` choices: :mod:`mlxd.api.choices`); errors here (bad request,
-    overload) become HTTP errors. The stream yields ``(choice index, event)``. ``on_end(trace)`` is called once
-    the request's log line is written.
-
-    The stages' ``prepare`` (rendering, tokenization) runs on a worker thread: a huge prompt never stalls the
-    event loop, so every other request, ``/health`` included, keeps being answered.
+async def start(daemon: Daemon, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
+                n: int = 1, receive: Receive | None = None) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
+    """Prepare the job (:func:`prepare`) and open its stream (``n`` choices: :mod:`mlxd.api.choices`); errors here
+    (bad request, overload, a client gone) become HTTP errors. The stream yields ``(choice index, event)``.
+    ``on_end(trace)`` is called once the request's log line is written.
     """
     structlog.contextvars.bind_contextvars(request_id=job.request_id)
     trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
+    pipeline = daemon.pipeline
     try:
-        await asyncio.to_thread(pipeline.prepare, job)
+        await prepare(daemon, job, receive)
         trace.prepare_s = round(time.monotonic() - trace.started, 4)
         jobs = siblings(job, n)
         events = pipeline.stream(job)
@@ -145,6 +145,31 @@ async def start(pipeline: Pipeline, job: Job, endpoint: str, on_end: Callable[[T
     if n == 1:
         return _tagged(first, events), trace
     return fan_in(pipeline, jobs, _prepend(first, events)), trace
+
+
+async def prepare(daemon: Daemon, job: Job, receive: Receive | None = None, until: str | None = None) -> Job:
+    """Run the stages' ``prepare`` (rendering, tokenizing, images; up to the stage ``until``) on one of the daemon's
+    preparation workers (:meth:`Daemon.prepare`: a 429 when too many wait for them), never on the event loop or
+    its default executor, so ``/health`` and every other request keep being answered.
+
+    With the request's ASGI ``receive`` channel, a client that leaves meanwhile stops the work at its next check
+    (between stages, between images) and :class:`ClientDisconnected` is raised at once.
+    """
+    flag = CancelFlag()
+    work = asyncio.ensure_future(daemon.prepare(job, flag, until))
+    gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+    try:
+        await asyncio.wait({work, gone} if gone is not None else {work}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        flag.set("the client disconnected while its request was being prepared")
+        raise ClientDisconnected("the client disconnected before the request was prepared")
+    finally:
+        if gone is not None:
+            gone.cancel()
+        if not work.done():  # the client left, or this request's task is cancelled (shutdown)
+            flag.set("the request ended while it was being prepared")
+            work.cancel()
 
 
 async def _prepend(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -276,6 +301,8 @@ def error_body(error: MlxdError) -> ErrorBody:
 
 def _outcome(exc: BaseException) -> str:
     if isinstance(exc, ClientDisconnected | GeneratorExit | OSError | asyncio.CancelledError):
+        return "client disconnected"
+    if isinstance(exc, Cancelled) and exc.status == 499:
         return "client disconnected"
     if type(exc).__name__ == "ClientDisconnect":
         return "client disconnected"

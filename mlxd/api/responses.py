@@ -23,6 +23,7 @@ from mlxd.api.output import EventStream
 from mlxd.api.responses_jobs import responses_job
 from mlxd.api.responses_render import ResponsesRenderer, replay
 from mlxd.api.responses_schemas import ResponseObject, ResponsesRequest
+from mlxd.api.validate import check_size
 from mlxd.daemon import Daemon
 
 
@@ -39,8 +40,9 @@ class ResponsesController(Controller):
         ``response.completed``, ``response.incomplete`` or ``response.failed``."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
+        check_size(data, **daemon.size_limits())
         job, settings = responses_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon.pipeline, job, "responses", metrics.observe)
+        events, trace = await respond.start(daemon, job, "responses", metrics.observe, receive=request.receive)
         renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
         if data.stream:
             return EventStream(respond.stream_sse(events, trace, renderer))

@@ -38,6 +38,14 @@ class ServerConfig(Base):
     # Connections served at once; one more is closed as soon as it is accepted. 0: the descriptor limit (raised to
     # its hard limit at start-up) less a reserve of 64 or an eighth of it, at most 4096.
     max_connections: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    # Threads that prepare requests (chat template, tokenizer, image decoding), apart from every other thread;
+    # 0: min(4, CPU count).
+    prepare_workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # Requests waiting for or in preparation; one more gets 429 with Retry-After. They also count against the
+    # engine's queue ([engine] max_running + max_waiting). 0: [engine] max_waiting.
+    max_preparing: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    # Messages (Responses: input items) one request may carry; more is a 400 before any work on it.
+    max_messages: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
 
 
 class SamplingDefaults(Base):
@@ -160,6 +168,11 @@ class VisionConfig(Base):
     # Pixels per image: a larger image is downscaled to at most this many, aspect ratio kept (never refused for
     # being merely large). The default is above the own limits of common VLM processors (Qwen2-VL: 12.8M).
     max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
+    # Pixels decoded for one image (a JPEG counts at the reduced scale it decodes at): an image declaring more in
+    # its header is refused (400 naming its part) before any pixel is decoded.
+    max_decode_pixels: Annotated[int, msgspec.Meta(ge=1, le=1024**3 // 12)] = 6144 * 6144
+    # Pixels decoded for all the images of one request together, counted the same way.
+    max_request_pixels: Annotated[int, msgspec.Meta(ge=1, le=1024**3)] = 128 * 1024 * 1024
     # Square images (pixels a side) sent through the whole pipeline once each before /health turns 200, so that
     # the first user images of these sizes do not pay for the shapes MLX builds on first use (mlxd.pipeline.
     # image_warmup). Each costs a second or more of start-up; [] sends none.

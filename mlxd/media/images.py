@@ -1,9 +1,11 @@
 """Decoding request images with Pillow: bounded before any pixel is allocated, upright, RGB, at most N pixels.
 
-Pillow's global ``Image.MAX_IMAGE_PIXELS`` is left alone (other code in the process uses Pillow too); this module
-refuses, from the size an image declares in its header, anything above Pillow's default warning threshold,
-before decoding it. Below that, a large image is decoded (JPEGs at a reduced scale where libjpeg can) and
-downscaled to ``max_pixels``: a big photo is never refused for being merely large.
+Decoding costs time and memory in proportion to the pixels decoded, so they are bounded, from the size an image
+declares in its header, before any is decoded: per image (``[vision] max_decode_pixels``) and per request
+(``max_request_pixels``, through a :class:`PixelBudget`). JPEGs are decoded at a reduced scale where libjpeg can
+(1/2, 1/4, 1/8, still at least ``max_pixels``) and count at that scale, so a big camera photo is not refused for
+being merely large; then every image is downscaled to ``max_pixels``. :func:`bound_pillow` sets Pillow's own
+``Image.MAX_IMAGE_PIXELS`` to the per-image bound, a backstop for any other Pillow use in the daemon.
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import struct
+import warnings
 from dataclasses import dataclass
 from functools import cache
 
 from PIL import Image, ImageOps
 
 from mlxd.errors import RequestError
+from mlxd.runtime.cancel import check_cancelled
 
-# Pillow's default MAX_IMAGE_PIXELS (1 GiB / 4 bytes a pixel / 3, ~89.5 MP): a 60 MP camera photo decodes, a
-# crafted 100000x100000 header does not. Pillow itself raises above twice this, and warns above it.
-MAX_DECODE_PIXELS = 1024 * 1024 * 1024 // 4 // 3
+# Pixels decoded for one image when no bound is given ([vision] max_decode_pixels' default).
+MAX_DECODE_PIXELS = 6144 * 6144
+# An object's repr, as Pillow's messages quote the file they read ("<_io.BytesIO object at 0x7f...>").
+_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 # Formats a client plausibly sends; the rest of Pillow's plugins (EPS runs Ghostscript) are not offered the data.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
 # What Pillow raises on malformed data, during open, load and EXIF parsing.
@@ -38,17 +44,58 @@ class DecodedImage:
     height: int
 
 
-def decode_image(data: bytes, *, max_pixels: int, param: str) -> DecodedImage:
+class PixelBudget:
+    """The pixels a request's images may still decode (``[vision] max_request_pixels``), and the most one image
+    may (``max_decode_pixels``). Per request; spent by :func:`decode_image`."""
+
+    __slots__ = ("max_image_pixels", "max_request_pixels", "pixels_left")
+
+    def __init__(self, max_image_pixels: int = MAX_DECODE_PIXELS, max_request_pixels: int | None = None) -> None:
+        self.max_image_pixels = max_image_pixels
+        self.max_request_pixels = max_request_pixels
+        self.pixels_left = max_request_pixels
+
+    def spend(self, width: int, height: int, param: str) -> None:
+        """Count an image about to be decoded at ``width`` x ``height``; refuse it (400 on ``param``) beyond a
+        bound."""
+        pixels = width * height
+        if pixels > self.max_image_pixels:
+            raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param,
+                                   f"at most {self.max_image_pixels} pixels are decoded per image "
+                                   "([vision] max_decode_pixels)")
+        if self.pixels_left is not None:
+            if pixels > self.pixels_left:
+                raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param,
+                                       f"the request's images may decode {self.max_request_pixels} pixels in all "
+                                       f"([vision] max_request_pixels), {self.pixels_left} were left")
+            self.pixels_left -= pixels
+
+
+def bound_pillow(max_decode_pixels: int) -> None:
+    """Set Pillow's own bound (process-wide) to ``max_decode_pixels``: Pillow then refuses twice as many pixels in
+    any image the daemon opens. Its warning between once and twice the bound is silenced: :func:`decode_image`
+    refuses those images itself, from the header, naming the part."""
+    Image.MAX_IMAGE_PIXELS = max_decode_pixels
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+def decode_image(data: bytes, *, max_pixels: int, param: str, budget: PixelBudget | None = None) -> DecodedImage:
     """Decode one image (the first frame of an animation) to upright RGB, downscaled to at most ``max_pixels``
-    with its aspect ratio kept. Undecodable data and images declaring more than MAX_DECODE_PIXELS are a
-    RequestError on ``param``, raised before the pixels are allocated."""
+    with its aspect ratio kept. Undecodable data and images beyond ``budget`` (by default MAX_DECODE_PIXELS per
+    image) are a RequestError on ``param``, raised before the pixels are allocated; messages never quote Pillow's
+    object reprs."""
     digest = hashlib.sha256(data).hexdigest()
     try:
-        image = _decode(data, max_pixels, param)
+        image = _decode(data, max_pixels, param, budget or PixelBudget())
     except Image.DecompressionBombError as e:
-        raise _too_many_pixels(str(e), param) from e
+        raise _too_many_pixels(_REPR.sub("the image", str(e)), param) from e
+    except Image.UnidentifiedImageError as e:
+        raise RequestError(f"image data cannot be decoded: not an image in a supported format "
+                           f"({', '.join(_formats())})", param=param) from e
     except _DECODE_ERRORS as e:
-        raise RequestError(f"image data cannot be decoded ({type(e).__name__}: {e})", param=param) from e
+        message = _REPR.sub("the image", str(e))
+        raise RequestError(f"image data cannot be decoded ({type(e).__name__}: {message})", param=param) from e
+    check_cancelled()
     size = fit_pixels(image.width, image.height, max_pixels)
     if size != image.size:
         image = image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
@@ -69,15 +116,11 @@ def fit_pixels(width: int, height: int, max_pixels: int) -> tuple[int, int]:
     return w, h
 
 
-def _decode(data: bytes, max_pixels: int, param: str) -> Image.Image:
-    with Image.open(io.BytesIO(data), formats=_formats()) as im:
-        if im.width * im.height > MAX_DECODE_PIXELS:
-            raise _too_many_pixels(f"{im.width}x{im.height}", param)
-        if im.format in (
-            "JPEG",
-            "MPO",
-        ):  # libjpeg decodes at 1/2, 1/4 or 1/8 scale, still at least the target size
+def _decode(data: bytes, max_pixels: int, param: str, budget: PixelBudget) -> Image.Image:
+    with Image.open(io.BytesIO(data), formats=_formats()) as im:  # reads the header only
+        if im.format in ("JPEG", "MPO"):  # libjpeg decodes at 1/2, 1/4 or 1/8 scale, still at least the target
             im.draft(None, fit_pixels(im.width, im.height, max_pixels))
+        budget.spend(im.width, im.height, param)  # the size it will decode at (after draft)
         upright = ImageOps.exif_transpose(im)  # loads the first frame; a new image either way
     return _to_rgb(upright)
 
@@ -98,7 +141,6 @@ def _formats() -> tuple[str, ...]:
     return tuple(f for f in FORMATS if f in Image.OPEN)  # AVIF only where this Pillow has it
 
 
-def _too_many_pixels(size: str, param: str) -> RequestError:
-    return RequestError(
-        f"image is too large to decode ({size}); at most {MAX_DECODE_PIXELS} pixels are decoded", param=param
-    )
+def _too_many_pixels(size: str, param: str, bound: str = "") -> RequestError:
+    bound = bound or f"at most {MAX_DECODE_PIXELS} pixels are decoded per image ([vision] max_decode_pixels)"
+    return RequestError(f"image is too large to decode ({size}); {bound}", param=param)

@@ -21,8 +21,9 @@ from typing import Any
 from mlxd.config.schema import VisionConfig
 from mlxd.errors import RequestError
 from mlxd.media.fetch import load_image_bytes
-from mlxd.media.images import DecodedImage, decode_image
+from mlxd.media.images import DecodedImage, PixelBudget, decode_image
 from mlxd.media.remote import Resolver
+from mlxd.runtime.cancel import check_cancelled
 
 IMAGE_TYPES = frozenset({"image_url", "input_image", "image"})
 VIDEO_TYPES = frozenset({"video_url", "input_video", "video"})
@@ -99,9 +100,13 @@ def load_images(
     resolver: Resolver | None = None,
     allow_hosts: Collection[str] = frozenset(),
 ) -> list[PromptImage]:
-    """Load and decode image parts found by ``find_image_parts``, in order. Blocking."""
+    """Load and decode image parts found by ``find_image_parts``, in order, within ``[vision]
+    max_decode_pixels`` per image and ``max_request_pixels`` in all. Blocking; stops between images once the
+    request's preparation is cancelled (:func:`~mlxd.runtime.cancel.check_cancelled`)."""
     images = []
+    budget = PixelBudget(config.max_decode_pixels, config.max_request_pixels)
     for part in parts:
+        check_cancelled()
         data = load_image_bytes(
             part.url,
             config=config,
@@ -110,7 +115,7 @@ def load_images(
             resolver=resolver,
             allow_hosts=allow_hosts,
         )
-        decoded = decode_image(data, max_pixels=config.max_pixels, param=part.param)
+        decoded = decode_image(data, max_pixels=config.max_pixels, param=part.param, budget=budget)
         images.append(PromptImage(**vars(decoded), message=part.message, part=part.part))
     return images
 

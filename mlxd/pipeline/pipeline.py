@@ -11,6 +11,7 @@ from mlxd.errors import ConfigError, PipelineError
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.registry import resolve_stage
 from mlxd.pipeline.stage import PipelineContext, Stage
+from mlxd.runtime.cancel import check_cancelled
 
 
 class Pipeline:
@@ -27,9 +28,20 @@ class Pipeline:
         for _, stage in self.stages:
             stage.warm_up(ctx)
 
-    def prepare(self, job: Job) -> Job:
-        for _, stage in self.stages:
+    def prepare(self, job: Job, until: str | None = None) -> Job:
+        """Run the stages' ``prepare`` in order (blocking: on a preparation worker), or only those before the
+        first stage of type ``until`` (counting tokens runs up to ``prefill``). Between stages, a request whose
+        preparation was cancelled (its client left) stops here (:func:`~mlxd.runtime.cancel.check_cancelled`)."""
+        stages = self.stages
+        if until is not None:
+            names = [name for name, _ in stages]
+            if until not in names:
+                raise PipelineError(f"the pipeline has no `{until}` stage ({self.source})")
+            stages = stages[: names.index(until)]
+        for _, stage in stages:
+            check_cancelled()
             stage.prepare(job)
+        check_cancelled()
         return job
 
     def stream(self, job: Job) -> AsyncIterator[Any]:
