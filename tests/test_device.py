@@ -74,8 +74,19 @@ class FakeMLX:
     def Device(self, kind: str, index: int = 0) -> FakeDevice:  # noqa: N802 - mlx.core's name
         return FakeDevice(kind, index)
 
+    @property
+    def cuda(self) -> FakeMLX:
+        return self
+
+    def is_available(self) -> bool:  # mx.cuda.is_available
+        return self.num_gpus > 0
+
     def device_count(self, kind: str) -> int:
-        return self.num_gpus if kind == "gpu" else 1
+        """Like CUDA: the GPUs that CUDA_VISIBLE_DEVICES leaves (read when asked: CUDA starts later here)."""
+        if kind != "gpu":
+            return 1
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return self.num_gpus if visible is None else min(self.num_gpus, len(visible.split(",")))
 
     def default_device(self) -> FakeDevice:
         return self._default
@@ -135,10 +146,15 @@ class FakeMLX:
 
 
 @pytest.fixture
-def two_gpus(monkeypatch):
+def two_gpus(monkeypatch, tmp_path):
+    """A host with two GPUs: MLX's double, and the driver's list of GPUs (no CUDA_VISIBLE_DEVICES)."""
     fake = FakeMLX(num_gpus=2)
     monkeypatch.setattr(dev, "mlx_core", lambda: fake)
     monkeypatch.setattr(dev, "_chosen", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for bus in ("0000:19:00.0", "0000:3b:00.0"):
+        (tmp_path / "driver" / bus).mkdir(parents=True)
+    monkeypatch.setattr(dev, "NVIDIA_GPUS", tmp_path / "driver")
     FAKE_THREADS.current.clear()
     return fake
 
@@ -160,6 +176,8 @@ def run_on_thread(name: str, work) -> None:
 
 
 def test_the_chosen_gpu_is_used_by_every_thread_and_for_every_array(two_gpus):
+    """``gpu:1`` of two: the process narrows what it sees to that GPU before CUDA starts, so it is MLX's gpu:0, and
+    every thread that makes arrays (the loader, the engine) makes them there."""
     choice = dev.select_device("gpu:1")
     assert choice == DeviceChoice("gpu", 1)
 
@@ -170,17 +188,45 @@ def test_the_chosen_gpu_is_used_by_every_thread_and_for_every_array(two_gpus):
             assert two_gpus.arange(300).tolist()[-1] == 299
 
     run_on_thread("loader", lambda: dev.use_device(choice))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1" and two_gpus.device_count("gpu") == 1
     run_on_thread("engine", engine)
     assert {name for name, _ in two_gpus.made} == {"loader", "engine"}
+    assert {device for _, device in two_gpus.made} == {FakeDevice("gpu", 0)}
+    assert two_gpus.default_device() == FakeDevice("gpu", 0)
+    assert set(FAKE_THREADS.current.values()) == {FakeDevice("gpu", 0)}
+
+
+def test_where_the_gpus_cannot_be_narrowed_every_thread_uses_the_chosen_index(two_gpus, monkeypatch):
+    """No driver list to count GPUs by (or CUDA already started): the process keeps seeing both, and every thread
+    and array is on the chosen index."""
+    monkeypatch.setattr(dev, "NVIDIA_GPUS", Path("/nonexistent/driver"))
+    choice = dev.select_device("gpu:1")
+
+    def engine() -> None:
+        with dev.device_stream():
+            two_gpus.arange(8)
+            assert two_gpus.arange(300).tolist()[-1] == 299
+
+    run_on_thread("loader", lambda: dev.use_device(choice))
+    run_on_thread("engine", engine)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert {device for _, device in two_gpus.made} == {FakeDevice("gpu", 1)}
-    assert two_gpus.default_device() == FakeDevice("gpu", 1)
     assert set(FAKE_THREADS.current.values()) == {FakeDevice("gpu", 1)}
+
+
+def test_narrowing_keeps_the_operators_numbering(tmp_path):
+    env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert dev.narrow_to(DeviceChoice("gpu", 1), env) == DeviceChoice("gpu", 0) and env["CUDA_VISIBLE_DEVICES"] == "3"
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb,-1,4"}
+    assert dev.visible_gpus(env) == ["GPU-aa", "GPU-bb"]  # CUDA stops at the first invalid entry
+    env = {"CUDA_VISIBLE_DEVICES": "5"}
+    assert dev.narrow_to(DeviceChoice("gpu", 0), env) == DeviceChoice("gpu", 0) and env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert dev.narrow_to(DeviceChoice("cpu", 0), {}) == DeviceChoice("cpu", 0)
+    assert dev.visible_gpus({}, tmp_path / "none") is None
 
 
 def test_a_thread_that_is_not_set_up_reads_on_the_wrong_gpu(two_gpus):
     """The double's oracle: what the thread set-up prevents (a read on a thread whose current GPU is another)."""
-    run_on_thread("loader", lambda: dev.use_device(DeviceChoice("gpu", 1)))
-
     def stray() -> None:
         array = two_gpus.arange(300, stream=two_gpus.default_stream(FakeDevice("gpu", 1)))
         FAKE_THREADS.current[threading.get_ident()] = FakeDevice("gpu", 0)

@@ -15,9 +15,18 @@ What MLX 0.32 does (``mlx/device.cpp``, ``mlx/stream.cpp``, ``mlx/utils.h``, ``m
   buffer) copies with ``cudaMemcpy`` on whichever device the thread has current. Creating MLX's allocator makes
   every visible GPU current in turn (one free-stream each), leaving the last one current on that thread.
 
-So :func:`use_device` makes the chosen device the default, gives the calling thread its default stream there and
-evaluates and reads back a small array on it, so that the thread's current CUDA device is the chosen one before
-the thread's own work starts; :func:`device_stream` is what a long-lived thread (the engine's) serves inside.
+Measured on two H200s (MLX 0.32.4, mlx-lm 0.32.2; README, "Hosts with several GPUs"): with both GPUs
+visible, one process failed in warm-up with ``cudaMemcpy ... invalid argument`` on ``gpu:0`` and with
+``cudaMemcpyAsync ... invalid argument`` and an illegal memory access on ``gpu:1``, even with every thread set up
+for its device. The likely cause, in ``allocator.cpp``: MLX keeps one buffer cache for all GPUs, and a cached buffer
+of one GPU handed to another (or read on the host) is copied on the calling thread's current device. So on CUDA a process **narrows what it sees to the GPU it serves on** before CUDA
+starts (``CUDA_VISIBLE_DEVICES`` set in the process itself, from ``[model] device``; the operator sets nothing):
+the chosen GPU is then MLX's ``gpu:0``, and no buffer of another GPU exists. GPUs are counted without starting
+CUDA (``CUDA_VISIBLE_DEVICES`` when set, else the driver's ``/proc/driver/nvidia/gpus``).
+
+:func:`use_device` then makes the device MLX's default, gives the calling thread its default stream there and
+evaluates and reads back a small array on it; :func:`device_stream` is what a long-lived thread (the engine's)
+serves inside.
 
 A ``[distributed]`` rank takes its own GPU on its host: ``mlxd launch`` tells every rank its local rank
 (:data:`LOCAL_RANKS_ENV`), and the rank serves on ``gpu:(local rank % GPUs it sees)``. (``mlx.launch --backend
@@ -28,9 +37,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mlxd.errors import ConfigError
@@ -42,6 +52,8 @@ AUTO = "auto"
 FIELD = "model.device"
 # Set by `mlxd launch` for every rank alike: each rank's local rank on its host, in rank order ("0,1,0,1").
 LOCAL_RANKS_ENV = "MLXD_LOCAL_RANKS"
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver runs
 DEVICE_PATTERN = r"^(auto|cpu|gpu)(:[0-9]+)?$"
 _DEVICE = re.compile(DEVICE_PATTERN)
 # Elements read back when a thread is set up: 1 KiB, above MLX's small-block pool, so the read is a device copy.
@@ -71,9 +83,44 @@ def mlx_core() -> Any:
 
 
 def reported_devices() -> dict[str, int]:
-    """How many devices of each type MLX reports in this process (GPUs: 0 with MLX's CPU backend)."""
+    """How many devices of each type this process may serve on: on CUDA the GPUs it sees, counted without starting
+    CUDA where the driver tells (:func:`visible_gpus`); else what MLX reports (GPUs: 0 with MLX's CPU backend)."""
     mx = mlx_core()
-    return {"gpu": mx.device_count(mx.gpu), "cpu": max(1, mx.device_count(mx.cpu))}
+    visible = visible_gpus() if mx.cuda.is_available() else None
+    num_gpus = len(visible) if visible is not None else mx.device_count(mx.gpu)
+    return {"gpu": num_gpus, "cpu": max(1, mx.device_count(mx.cpu))}
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None, driver: Path | None = None) -> list[str] | None:
+    """The NVIDIA GPUs CUDA will show this process, as ``CUDA_VISIBLE_DEVICES`` entries, found without starting
+    CUDA: that variable's entries when it is set (up to the first that CUDA would stop at), else one per GPU the
+    driver lists. None when neither tells (no NVIDIA driver here)."""
+    value = (os.environ if environ is None else environ).get(VISIBLE)
+    if value is not None:
+        entries = []
+        for entry in (e.strip() for e in value.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            entries.append(entry)
+        return entries
+    try:
+        return [str(i) for i in range(sum(1 for _ in (driver or NVIDIA_GPUS).iterdir()))]
+    except OSError:
+        return None
+
+
+def narrow_to(choice: DeviceChoice, environ: MutableMapping[str, str] | None = None,
+              driver: Path | None = None) -> DeviceChoice:
+    """Before CUDA starts: let this process see only the GPU ``choice`` names (``CUDA_VISIBLE_DEVICES`` in its own
+    environment, the operator's entry for it when they set the variable). Returns the device as MLX then numbers
+    it (``gpu:0``); ``choice`` itself when there is nothing to narrow (a CPU, one GPU seen, GPUs not countable)."""
+    visible = visible_gpus(environ, driver) if choice.type == "gpu" else None
+    if visible is None or len(visible) <= 1 or choice.index >= len(visible):
+        return choice
+    (os.environ if environ is None else environ)[VISIBLE] = visible[choice.index]
+    log.info("device_visibility", device=str(choice), cuda_visible_devices=visible[choice.index],
+             reason="MLX's CUDA allocator shares cached buffers between the GPUs of one process")
+    return DeviceChoice("gpu", 0)
 
 
 def choose_device(setting: str, devices: Mapping[str, int], *, local_rank: int | None = None,
@@ -102,8 +149,8 @@ def choose_device(setting: str, devices: Mapping[str, int], *, local_rank: int |
 
 
 def _visible_note() -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return f"; CUDA_VISIBLE_DEVICES={visible} limits what this process sees" if visible is not None else ""
+    visible = os.environ.get(VISIBLE)
+    return f"; {VISIBLE}={visible} limits what this process sees" if visible is not None else ""
 
 
 def local_rank(rank: int, environ: Mapping[str, str] = os.environ) -> int:
@@ -124,14 +171,22 @@ def select_device(setting: str, *, group: Any = None, where: str = FIELD,
                          where=where)
 
 
-def use_device(choice: DeviceChoice) -> None:
-    """Serve on ``choice`` from now on: MLX's default device (one for the process) becomes it, and the calling
-    thread is set up for it (:func:`enter_thread`). Call it on the thread that loads the model, before the
-    weights are made; later threads call :func:`enter_thread` or serve inside :func:`device_stream`."""
+def use_device(choice: DeviceChoice) -> DeviceChoice:
+    """Serve on ``choice`` from now on: on CUDA the process sees that GPU alone (:func:`narrow_to`, when CUDA has
+    not started yet), MLX's default device (one for the process) becomes it, and the calling thread is set up for
+    it (:func:`enter_thread`). Call it on the thread that loads the model, before the weights are made; later
+    threads serve inside :func:`device_stream`. Returns the device as MLX numbers it."""
     global _chosen
-    _chosen = choice
-    enter_thread(choice)
-    log.info("device", device=str(choice), devices=reported_devices())
+    mx = mlx_core()
+    served = narrow_to(choice) if mx.cuda.is_available() else choice
+    if served != choice and mx.device_count(mx.gpu) != 1:  # CUDA had started: the narrowing came too late
+        log.warning("device_visibility_ignored", device=str(choice), num_gpus=mx.device_count(mx.gpu),
+                    reason="CUDA started before the device was chosen; serving by device index instead")
+        served = choice
+    _chosen = served
+    enter_thread(served)
+    log.info("device", device=str(choice), mlx_device=str(served), devices=reported_devices())
+    return served
 
 
 def chosen_device() -> DeviceChoice | None:
