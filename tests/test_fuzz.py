@@ -7,6 +7,8 @@ fixed greedy request answered exactly as before the fuzzing.
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,3 +139,125 @@ def test_fuzz_every_endpoint_from_the_served_schema(tiny_model_dir, tmp_path):
         after = client.post("/v1/chat/completions", json=GREEDY)
         assert after.status_code == 200, after.text
         assert after.json()["choices"] == before.json()["choices"], tally.summary()
+
+
+# ---- oversized fields other than the user's text, on every surface ----
+
+def _oversized_bodies(text: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """One body per (surface, field) with ``text`` in a field that is not a user message's text."""
+    hi = {"role": "user", "content": "hi"}
+    tool_turn = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"q": text}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]
+    anthropic = {
+        "system": {"system": text, "messages": [hi]},
+        "system blocks": {"system": [{"type": "text", "text": "a"}, {"type": "text", "text": text}], "messages": [hi]},
+        "assistant text": {"messages": [hi, {"role": "assistant", "content": text}, hi]},
+        "thinking": {"messages": [hi, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": text, "signature": ""}, {"type": "text", "text": "ok"}]}, hi]},
+        "tool_use input": {"messages": [hi, *tool_turn]},
+        "tool_result": {"messages": [hi, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": text}]}]}]},
+        "tool description": {"messages": [hi], "tools": [{"name": "f", "description": text,
+                                                          "input_schema": {"type": "object"}}]},
+        "tool schema": {"messages": [hi], "tools": [{"name": "f", "input_schema": {
+            "type": "object", "properties": {"p": {"type": "string", "description": text}}}}]},
+    }
+    responses = {
+        "instructions": {"instructions": text, "input": "hi"},
+        "developer item": {"input": [{"role": "developer", "content": text}, {"role": "user", "content": "hi"}]},
+        "assistant item": {"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "output_text", "text": text}]}, {"role": "user", "content": "go"}]},
+        "function_call arguments": {"input": [{"role": "user", "content": "hi"}, {
+            "type": "function_call", "call_id": "c1", "name": "f", "arguments": json.dumps({"q": text})},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
+        "function_call_output": {"input": [{"role": "user", "content": "hi"}, {
+            "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": text}]},
+        "tool parameters": {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {
+            "type": "object", "properties": {"p": {"type": "string", "description": text}}}}]},
+    }
+    bodies = {}
+    for name, fields in anthropic.items():
+        bodies[f"messages: {name}"] = ("/v1/messages", {"model": "tiny", "max_tokens": 4, **fields})
+        bodies[f"count_tokens: {name}"] = ("/v1/messages/count_tokens", {"model": "tiny", **fields})
+    for name, fields in responses.items():
+        bodies[f"responses: {name}"] = ("/v1/responses", {"model": "tiny", "max_output_tokens": 16, **fields})
+    chat_tool = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"q": text})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    bodies["chat: assistant"] = ("/v1/chat/completions", {"model": "tiny", "messages": [
+        hi, {"role": "assistant", "content": text}, hi]})
+    bodies["chat: tool_calls arguments"] = ("/v1/chat/completions", {"model": "tiny", "messages": [hi, *chat_tool]})
+    bodies["chat: tool description"] = ("/v1/chat/completions", {"model": "tiny", "messages": [hi], "tools": [
+        {"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}]})
+    return bodies
+
+
+def _too_long(response: httpx.Response) -> bool:
+    error = response.json()["error"]
+    if response.request.url.path.startswith("/v1/messages"):
+        return error["type"] == "invalid_request_error" and error["message"].startswith("prompt is too long")
+    return error["type"] == "context_length_exceeded"
+
+
+def test_oversized_non_user_fields_are_refused_before_rendering(tiny_model_dir, tmp_path):
+    """Every surface, every field a prompt is rendered from: more text than the context can hold is a 400 in the
+    surface's shape, before the template or the tokenizer sees it, whatever the field and the characters; the same
+    bodies with a short text are served."""
+    config = write_config(tmp_path, tiny_model_dir, model_extra="context_length = 256")
+    with app_client(config) as (client, daemon):
+        spy = _spy_on_template(daemon)
+        limit = daemon.max_prompt_bytes
+        assert 0 < limit < 200_000
+        names = sorted(_oversized_bodies(""))
+        for name in names:
+            path, body = _oversized_bodies("short text")[name]
+            served = client.post(path, json=body)
+            assert served.status_code == 200, (name, served.text[:300])
+        spy.clear()
+        slowest = 0.0
+
+        @settings(max_examples=3 * len(names), derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(name=st.sampled_from(names), char=st.sampled_from(["a", " ", "é", "語", "🙂", "\n"]),
+               factor=st.floats(1.01, 3.0))
+        def refused(name: str, char: str, factor: float) -> None:
+            nonlocal slowest
+            text = char * int(limit * factor / len(char.encode()) + 1)
+            path, body = _oversized_bodies(text)[name]
+            started = time.monotonic()
+            response = client.post(path, json=body)
+            slowest = max(slowest, time.monotonic() - started)
+            assert response.status_code == 400, (name, response.text[:300])
+            assert error_shape_problem(response) is None and _too_long(response), (name, response.text[:300])
+
+        refused()
+        assert all(size < limit for size in spy), f"rendered or tokenized a text of {max(spy)} characters"
+        print(f"\noversized fields: {3 * len(names)} bodies refused, the slowest in {slowest * 1000:.0f} ms")
+        many = client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": [
+            {"role": "user", "content": ""}] * (daemon.config.server.max_messages + 1)})
+        assert many.status_code == 400 and "max_messages" in many.json()["error"]["message"], many.text[:300]
+        assert client.post("/v1/chat/completions", json=GREEDY).status_code == 200
+
+
+def _spy_on_template(daemon: Any) -> list[int]:
+    """Record the length of every text the template stage's tokenizer renders or encodes."""
+    stage = next(stage for name, stage in daemon.pipeline.stages if name == "template")
+    sizes: list[int] = []
+    tokenizer = stage.tokenizer
+
+    class Spy:
+        def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+            sizes.append(len(text))
+            return tokenizer.encode(text, *args, **kwargs)
+
+        def apply_chat_template(self, messages: list[dict], *args: Any, **kwargs: Any) -> Any:
+            sizes.append(len(json.dumps([messages, kwargs.get("tools")], default=str)))
+            return tokenizer.apply_chat_template(messages, *args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+    stage.tokenizer = Spy()
+    return sizes
