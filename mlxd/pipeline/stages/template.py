@@ -9,6 +9,7 @@ from mlxd.log import get_logger
 from mlxd.pipeline.hermes import tool_list_in_system, tool_mode, tools_in_messages
 from mlxd.pipeline.images import ImageInputs
 from mlxd.pipeline.job import Job
+from mlxd.pipeline.render import ChatRenderer, RenderBounds
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 log = get_logger("mlxd.pipeline")
@@ -49,6 +50,9 @@ class Template(Stage):
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
+        model = ctx.config.model if ctx.config is not None else None
+        bounds = RenderBounds(model.template_timeout_s, model.template_max_bytes) if model else RenderBounds()
+        self.renderer = ChatRenderer(ctx.tokenizer, bounds)
         self.images = ImageInputs(ctx.processor, ctx.model.image_token_id) if ctx.processor is not None else None
         self.context_length = ctx.model.context_length
         # Templates that do not render tools themselves get help (mlxd.pipeline.hermes).
@@ -105,7 +109,6 @@ class Template(Stage):
         return boundary if 0 < boundary < len(job.prompt_ids) and job.prompt_ids[boundary:] == tail else None
 
     def _render(self, job: Job, add_generation_prompt: bool) -> str:
-        kwargs = {**self.config.kwargs, **job.template_kwargs}
         messages, tools = job.messages, job.tools or None
         if self.tool_mode == "list" and tools:
             messages, tools = tool_list_in_system(messages, tools), None
@@ -113,12 +116,18 @@ class Template(Stage):
                                                           for m in messages)):
             messages, tools = tools_in_messages(messages, tools), None
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
+            return self.renderer.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        **self._switches(job, tools))
+        except RequestError:  # a bound exceeded
+            raise
         except Exception as e:  # jinja raises plain exceptions for conversations a template refuses
             raise RequestError(f"the chat template rejected the conversation: {e}", param="messages") from e
+
+    def _switches(self, job: Job, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The pipeline's and the request's template variables (the request's win), less the request's switches
+        that the template does not read (which render the same without them)."""
+        reads = self.renderer.variables(tools)
+        ignored = [key for key in job.template_kwargs if key not in reads]
+        if ignored:
+            log.debug("template_switches_ignored", request_id=job.request_id, switches=ignored)
+        return {**self.config.kwargs, **{k: v for k, v in job.template_kwargs.items() if k in reads}}
