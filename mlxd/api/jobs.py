@@ -13,6 +13,7 @@ from mlxd.config.schema import SamplingDefaults
 from mlxd.engine.base import SamplingParams
 from mlxd.errors import RequestError
 from mlxd.pipeline.job import Job
+from mlxd.pipeline.render import check_template_switches
 
 
 def new_request_id(prefix: str) -> str:
@@ -116,12 +117,13 @@ def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     """The request's template variables; ``reasoning_effort`` sets the thinking switch (``enable_thinking``) and
-    reaches templates that read it (gpt-oss). Explicit ``chat_template_kwargs`` win."""
+    reaches templates that read it (gpt-oss). Explicit ``chat_template_kwargs`` win; they are template switches
+    only (``mlxd.pipeline.render.TEMPLATE_SWITCHES``), never a template, tools or a tokenizer argument."""
     kwargs: dict[str, Any] = {}
     if body.reasoning_effort is not None:
         kwargs["enable_thinking"] = body.reasoning_effort not in ("none", "minimal")
         kwargs["reasoning_effort"] = "low" if body.reasoning_effort == "minimal" else body.reasoning_effort
-    return {**kwargs, **(body.chat_template_kwargs or {})}
+    return {**kwargs, **check_template_switches(body.chat_template_kwargs)}
 
 
 def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:

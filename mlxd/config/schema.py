@@ -67,6 +67,10 @@ class ModelConfig(Base):
     aliases: list[str] = []
     # A Jinja chat template (inline text, or a path to a file) that replaces the model's own.
     chat_template: str = ""
+    # Bounds on rendering the chat template (the model's or `chat_template`): a render that runs longer, or builds
+    # a value or a prompt larger, is refused with a 400 and logged (mlxd/pipeline/render.py).
+    template_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 10.0
+    template_max_bytes: Annotated[int, msgspec.Meta(ge=1024**2, le=4 * 1024**3)] = 64 * 1024**2
     # Prompt + completion tokens a request may use. 0: the trained length from the model's config.json
     # (max_position_embeddings). Above the trained length is allowed (for RoPE-scaled use) but logged as a warning.
     context_length: Annotated[int, msgspec.Meta(ge=0)] = 0
