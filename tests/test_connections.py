@@ -66,7 +66,7 @@ def read_response(sock: socket.socket) -> bytes:
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
-    return data
+    return head + b"\r\n\r\n" + body
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,21 @@ def test_keep_alive_requests_on_one_connection_are_still_served(server):
             sock.sendall(request)
             assert read_response(sock).startswith(b"HTTP/1.1 200 ")
             time.sleep(1)  # together longer than the header deadline: it runs per request, not per connection
+
+
+def test_a_pipelined_request_waits_for_the_response_before_it_without_its_header_clock_running(server):
+    _, port, _, _ = server
+    body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1500}).encode()
+    first = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with connect(port, first + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n") as sock:  # the second, half sent
+        started = time.monotonic()
+        answer = read_response(sock)
+        took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 1500
+        sock.sendall(b"\r\n")  # the second request completes in time: its clock started with the first's answer
+        assert read_response(sock).startswith(b"HTTP/1.1 200 "), f"the first took {took:.1f} s"
 
 
 def dropped(log: Path) -> list[dict]:

@@ -142,6 +142,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         if self.after_request is not None:
             self.after_request()
+        if self._reading_headers and self._deadline is not None:  # a pipelined request's clock starts now
+            self._arm(self.limits.header_timeout_s, self._headers_late)
         super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -212,6 +214,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
+        if self._busy():  # a pipelined request's clock starts once the request before it is answered
+            self._arm(self.limits.header_timeout_s, self._headers_late)
+            return
         self.drops.note("header_timeout")
         if self._header_bytes:
             self._reply_and_close(408, "The request's headers did not arrive in time.")
@@ -232,7 +237,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _headers_too_large(self) -> None:
         self.drops.note("headers_too_large")
+        if self._busy():  # a pipelined request's: the answer would land in the response before it
+            self._end_cycle()
+            self.transport.close()
+            return
         self._reply_and_close(431, "The request's headers are too large.")
+
+    def _busy(self) -> bool:
+        """Whether the app is still answering a request of this connection."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _end_cycle(self) -> None:
         """The request's app sees the client as gone: its ``receive`` returns ``http.disconnect`` and its ``send``
