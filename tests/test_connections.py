@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxd.runtime.descriptors import MAX_DERIVED_CONNECTIONS, accept_backlog, connection_limit
 from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
 
 TIMEOUTS = "header_timeout_s = 2\nbody_timeout_s = 2\n"
@@ -81,7 +82,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, int, subproc
 
 def test_headers_above_the_limit_get_431_and_below_it_are_served(server):
     _, port, _, _ = server
-    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
     with connect(port, head + b"X-Pad: " + b"a" * 60_000 + b"\r\n\r\n") as sock:
         assert read_all(sock, 10).startswith(b"HTTP/1.1 200 ")
     with connect(port, head + b"X-Pad: " + b"a" * 70_000 + b"\r\n\r\n") as sock:
@@ -216,3 +217,19 @@ def test_descriptor_exhaustion_floods_no_log_and_new_clients_are_served_after_th
     assert any(e.get("connection_limit" if max_connections == 0 else "accept_emfile") for e in lines), lines
     limits = next(e for e in events(log) if e["event"] == "connection_limits")
     assert limits["max_connections"] == (64 if max_connections == 0 else 1000)
+
+
+def test_the_connection_limit_leaves_a_reserve_of_descriptors():
+    assert connection_limit(0, 128) == 64  # at least 64 kept
+    assert connection_limit(0, 4096) == 4096 - 512  # an eighth kept
+    assert connection_limit(0, 1 << 20) == MAX_DERIVED_CONNECTIONS
+    assert connection_limit(300, 128) == 300  # a setting is used as it is (start-up warns when it is too high)
+    assert accept_backlog(128, 64) == 32 and accept_backlog(1 << 20, 4096) == 2048 and accept_backlog(128, 300) == 16
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
+    script = ("import resource; from mlxd.runtime.descriptors import raise_descriptor_limit; "
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 200)); "
+              "print(raise_descriptor_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.strip() == "DescriptorLimit(soft=200, hard=200, was_soft=64, was_hard=200) (200, 200)"
