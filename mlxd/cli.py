@@ -87,16 +87,18 @@ def check_config(argv: list[str]) -> int:
     model = config.model
     from mlxd.models.load import check_source
 
-    check_source(model.source, args.config.resolve().parent)
+    folder = check_source(model.source, args.config.resolve().parent)
     from mlxd.api.auth import load_keys
 
     keys = load_keys(config.server, args.config.resolve().parent)  # a missing keys file fails here, not at start
     from mlxd.config.effective import apply_flags, effective_settings
     from mlxd.config.load import read_toml
+    from mlxd.models.generation_config import model_sampling
 
     flags = serve_flags(args)
     print(f"{args.config}: OK")
-    for setting in effective_settings(apply_flags(config, flags), read_toml(args.config), flags):
+    for setting in effective_settings(apply_flags(config, flags), read_toml(args.config), flags,
+                                      model_sampling=model_sampling(model.source, folder)):
         print(setting.describe())
     print(f"api keys: {len(keys.api)} (admin: {len(keys.admin) or 'any valid key'})" if keys.enabled
           else "api keys: none (every endpoint is open)")

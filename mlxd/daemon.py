@@ -18,6 +18,8 @@ from typing import Any
 from mlxd.config.schema import DaemonConfig
 from mlxd.errors import MlxdError, ModelNotFound, NotReady, Overloaded
 from mlxd.log import get_logger
+from mlxd.models.default_model import embedded_name
+from mlxd.models.generation_config import with_model_sampling
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.pipeline import Pipeline
 from mlxd.pipeline.preparation import Preparation
@@ -63,7 +65,7 @@ class Daemon:
         self.engine: Any = None
         self.model_info: ModelInfo | None = None
         self.created = int(time.time())
-        self.name = config.model.name or Path(config.model.source).stem or "model"
+        self.name = config.model.name or embedded_name(config.model.source) or Path(config.model.source).stem or "model"
         self._loader: threading.Thread | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.load_s: float | None = None
@@ -120,6 +122,7 @@ class Daemon:
 
         started = time.monotonic()
         loaded = load(self.config.model, self.base_dir, group=self.group)
+        self.config = with_model_sampling(self.config, loaded.path)  # [model.sampling] > the model's > mlxd's
         tokenizer = loaded.tokenizer
         if self.group is not None:
             from mlxd.engine.distributed.channel import Channel
@@ -294,7 +297,8 @@ class Daemon:
 
     def resolve_model(self, requested: str) -> str:
         """Map a request's ``model`` to the served name (exact name or an alias glob), else 404."""
-        if requested == self.name or any(fnmatch.fnmatchcase(requested, p) for p in self.config.model.aliases):
+        if requested in (self.name, self.config.model.source) or any(fnmatch.fnmatchcase(requested, p)
+                                                                      for p in self.config.model.aliases):
             return self.name
         aliases = f" or a name matching {self.config.model.aliases}" if self.config.model.aliases else ""
         shown = requested if len(requested) <= 64 else requested[:64] + "…"  # never echo a huge value back

@@ -28,7 +28,7 @@ import structlog.testing
 from mlxd.api.responses_jobs import responses_job
 from mlxd.api.responses_render import ResponsesRenderer, replay
 from mlxd.api.responses_schemas import ResponseSettings, ResponsesRequest
-from mlxd.config.schema import SamplingDefaults
+from mlxd.config.sampling import MLXD_SAMPLING
 from mlxd.errors import EngineError, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
 from mlxd.testing.tool_templates import TOOL_TEMPLATES
@@ -278,7 +278,7 @@ def test_unknown_fields_and_bad_items_are_400s_naming_them(plain):
 
 # ---- the request → job conversion ----
 
-DEFAULTS = SamplingDefaults(temperature=0.5)
+DEFAULTS = msgspec.structs.replace(MLXD_SAMPLING, temperature=0.5)  # resolved, as the daemon passes them
 
 
 def job_of(**body):

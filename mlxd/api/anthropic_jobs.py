@@ -79,6 +79,7 @@ def messages_job(body: MessagesRequest, model: str, defaults: SamplingDefaults) 
         top_p=defaults.top_p if body.top_p is None else body.top_p,
         top_k=defaults.top_k if body.top_k is None else body.top_k,
         min_p=defaults.min_p,
+        repetition_penalty=defaults.repetition_penalty or 0.0,
     )
     return job
 

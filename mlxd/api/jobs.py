@@ -36,7 +36,8 @@ def _sampling(body: SamplingFields, defaults: SamplingDefaults) -> SamplingParam
         seed=body.seed,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 0.0,
+        repetition_penalty=(defaults.repetition_penalty if body.repetition_penalty is None
+                            else body.repetition_penalty) or 0.0,
         logit_bias=_logit_bias(body.logit_bias),
     )
 

@@ -67,6 +67,7 @@ def responses_job(body: ResponsesRequest, model: str, defaults: SamplingDefaults
             top_p=defaults.top_p if body.top_p is None else body.top_p,
             top_k=defaults.top_k,
             min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty or 0.0,
         ),
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,

@@ -49,13 +49,15 @@ class ServerConfig(Base):
 
 
 class SamplingDefaults(Base):
-    """Used when a request leaves a field out."""
+    """Used when a request leaves a field out. Unset (None) fields are resolved when the model loads: the model's
+    own generation_config.json, else mlxd's (mlxd/models/generation_config.py); repetition_penalty 0 is off."""
 
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 1024
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int = 1024  # mlxd's own: a model's max_new_tokens is a cap, not an answer length
 
 
 class ModelConfig(Base):

