@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -49,6 +49,15 @@ from mlxd.log import get_logger
 
 log = get_logger("mlxd.engine")
 
+class Group(Protocol):
+    """What the core needs of a distributed group (:class:`mlxd.engine.distributed.channel.Channel`): this rank's
+    number, and rank 0's sampled tokens shared inside a step's graph."""
+
+    rank: int
+
+    def share_tokens(self, tokens: mx.array) -> mx.array: ...
+
+
 # What a failed request is told, by phase; the exception itself goes to the log only.
 _FAILED = {
     "build": "the engine could not set up this request",
@@ -65,7 +74,7 @@ class EngineCore:
     other than a refusal ends the job). ``follower``: rows end only when a command says so; nobody listens."""
 
     def __init__(self, model: Any, config: EngineConfig, *, make_sampler: Callable[[SamplingParams], Any],
-                 drafter: Drafter | None = None, channel: Any = None, follower: bool = False,
+                 drafter: Drafter | None = None, channel: Group | None = None, follower: bool = False,
                  deliver: Callable[[Any], None] | None = None,
                  record: Callable[[Command], None] | None = None) -> None:
         self.config = config

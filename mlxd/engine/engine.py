@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
 from mlxd.engine.commands import Accept, Cancel, Clear, Command, EndAll, ImagesEncoded, RequestSpec, Stop
-from mlxd.engine.core import EngineCore
+from mlxd.engine.core import EngineCore, Group
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.prefix import PromptReuse
 from mlxd.engine.requests import Submitted
@@ -61,7 +61,8 @@ class BatchedEngine:
 
     def __init__(self, model: Any, config: EngineConfig, *,
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
-                 drafter: Drafter | None = None, channel: Any = None, leader: Leader | None = None) -> None:
+                 drafter: Drafter | None = None, channel: Group | None = None,
+                 leader: Leader | None = None) -> None:
         self.config = config
         self.model = model
         self.drafter = drafter
