@@ -149,7 +149,9 @@ class HeapTrimmer:
                 return
             time.sleep(max(self.delay_s, self._last + self.min_interval_s - time.monotonic()))
             self._wake.clear()
-            self.trim_if_grown()
+            given_back = self.trim_if_grown()
+            if given_back is not None and given_back >= self.min_growth_bytes:
+                self._wake.set()  # a burst may still be freeing what it held: look again after the interval
 
     def trim_if_grown(self) -> int | None:
         """Trim now if the resident size, or the free memory glibc holds, grew by ``min_growth_bytes`` since the
