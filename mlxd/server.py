@@ -171,12 +171,9 @@ def run_server(app: object, daemon: Daemon, config_path: Path | None = None) -> 
 def connection_limits(server: ServerConfig) -> tuple[ConnectionLimits, int]:
     """The ``[server]`` connection bounds and the listen backlog, after raising the descriptor limit (logged)."""
     limit = raise_descriptor_limit()
-    if limit.hard < STARTED_WITH[1]:
-        log.warning("descriptor_limit", soft=limit.soft, hard=limit.hard, started_with=STARTED_WITH[1],
-                    reason="mlx-lm lowers the hard limit to 4096 when it is imported, and this process may not "
-                           "raise it again")
-    else:
-        log.info("descriptor_limit", soft=limit.soft, hard=limit.hard, was_soft=limit.was_soft)
+    lowered = {"started_with": STARTED_WITH[1], "lowered_by": "mlx-lm, at import (this process may not raise it)"
+               } if limit.hard < STARTED_WITH[1] else {}
+    log.info("descriptor_limit", soft=limit.soft, hard=limit.hard, was_soft=limit.was_soft, **lowered)
     limits = ConnectionLimits(max_connections=connection_limit(server.max_connections, limit.soft),
                               max_header_bytes=server.max_header_bytes, header_timeout_s=server.header_timeout_s,
                               body_timeout_s=server.body_timeout_s)
