@@ -145,18 +145,25 @@ class FakeMLX:
             raise RuntimeError(f"There is no Stream(gpu, {stream.index}) in current thread.")
 
 
+DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "MLXD_NARROWED_DEVICE", "MLX_RANK", "MLXD_LOCAL_RANKS")
+
+
 @pytest.fixture
 def two_gpus(monkeypatch, tmp_path):
     """A host with two GPUs: MLX's double, and the driver's list of GPUs (no CUDA_VISIBLE_DEVICES)."""
     fake = FakeMLX(num_gpus=2)
     monkeypatch.setattr(dev, "mlx_core", lambda: fake)
     monkeypatch.setattr(dev, "_chosen", None)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(dev, "mlx_imported", lambda: False)  # this is the serving process's start
     for bus in ("0000:19:00.0", "0000:3b:00.0"):
         (tmp_path / "driver" / bus).mkdir(parents=True)
     monkeypatch.setattr(dev, "NVIDIA_GPUS", tmp_path / "driver")
     FAKE_THREADS.current.clear()
-    return fake
+    saved = {name: os.environ.pop(name) for name in DEVICE_ENV if name in os.environ}
+    yield fake
+    for name in DEVICE_ENV:  # what the code under test set in this process's environment
+        os.environ.pop(name, None)
+    os.environ.update(saved)
 
 
 def run_on_thread(name: str, work) -> None:
@@ -175,11 +182,18 @@ def run_on_thread(name: str, work) -> None:
         raise errors[0]
 
 
-def test_the_chosen_gpu_is_used_by_every_thread_and_for_every_array(two_gpus):
-    """``gpu:1`` of two: the process narrows what it sees to that GPU before CUDA starts, so it is MLX's gpu:0, and
-    every thread that makes arrays (the loader, the engine) makes them there."""
+def write_config(tmp_path: Path, device: str, extra: str = "") -> Path:
+    path = tmp_path / "mlxd.toml"
+    path.write_text(f'[model]\nsource = "embedded:smollm2-135m"\ndevice = "{device}"\n{extra}')
+    return path
+
+
+def test_the_chosen_gpu_is_used_by_every_thread_and_for_every_array(two_gpus, tmp_path):
+    """``gpu:1`` of two: the process narrows what it sees to that GPU before MLX starts CUDA, so it is MLX's gpu:0,
+    and every thread that makes arrays (the loader, the engine) makes them there."""
+    assert dev.narrow_process(write_config(tmp_path, "gpu:1")) == DeviceChoice("gpu", 1)
     choice = dev.select_device("gpu:1")
-    assert choice == DeviceChoice("gpu", 1)
+    assert choice == DeviceChoice("gpu", 0)
 
     def engine() -> None:
         with dev.device_stream():
@@ -212,6 +226,25 @@ def test_where_the_gpus_cannot_be_narrowed_every_thread_uses_the_chosen_index(tw
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert {device for _, device in two_gpus.made} == {FakeDevice("gpu", 1)}
     assert set(FAKE_THREADS.current.values()) == {FakeDevice("gpu", 1)}
+
+
+def test_the_default_narrows_to_the_first_gpu_and_a_rank_to_its_own(two_gpus, tmp_path):
+    assert dev.narrow_process(write_config(tmp_path, "auto")) == DeviceChoice("gpu", 0)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    os.environ.pop("CUDA_VISIBLE_DEVICES")
+    os.environ.update(MLX_RANK="1", MLXD_LOCAL_RANKS="0,1")
+    ranked = write_config(tmp_path, "auto", '[distributed]\nbackend = "ring"\n')
+    assert dev.narrow_process(ranked) == DeviceChoice("gpu", 1) and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_narrowing_refuses_a_gpu_not_seen_and_never_comes_late(two_gpus, tmp_path, monkeypatch):
+    path = write_config(tmp_path, "gpu:2")
+    with pytest.raises(ConfigError) as info:
+        dev.narrow_process(path)
+    assert info.value.message.startswith(f"{path}: model.device: 'gpu:2' is not a device here: MLX reports 2 gpu")
+    monkeypatch.setattr(dev, "mlx_imported", lambda: True)  # CUDA may have started: leave the view alone
+    assert dev.narrow_process(write_config(tmp_path, "gpu:1")) is None
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and "MLXD_NARROWED_DEVICE" not in os.environ
 
 
 def test_narrowing_keeps_the_operators_numbering(tmp_path):

@@ -20,7 +20,8 @@ visible, one process failed in warm-up with ``cudaMemcpy ... invalid argument`` 
 ``cudaMemcpyAsync ... invalid argument`` and an illegal memory access on ``gpu:1``, even with every thread set up
 for its device. The likely cause, in ``allocator.cpp``: MLX keeps one buffer cache for all GPUs, and a cached buffer
 of one GPU handed to another (or read on the host) is copied on the calling thread's current device. So on CUDA a process **narrows what it sees to the GPU it serves on** before CUDA
-starts (``CUDA_VISIBLE_DEVICES`` set in the process itself, from ``[model] device``; the operator sets nothing):
+starts (:func:`narrow_process`: ``CUDA_VISIBLE_DEVICES`` set in the process itself, from ``[model] device``, before
+MLX is imported, since importing MLX starts CUDA; the operator sets nothing):
 the chosen GPU is then MLX's ``gpu:0``, and no buffer of another GPU exists. GPUs are counted without starting
 CUDA (``CUDA_VISIBLE_DEVICES`` when set, else the driver's ``/proc/driver/nvidia/gpus``).
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ AUTO = "auto"
 FIELD = "model.device"
 # Set by `mlxd launch` for every rank alike: each rank's local rank on its host, in rank order ("0,1,0,1").
 LOCAL_RANKS_ENV = "MLXD_LOCAL_RANKS"
+# Set by narrow_process: the configured device this process narrowed its view to (its MLX gpu:0 from then on).
+NARROWED_ENV = "MLXD_NARROWED_DEVICE"
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver runs
 DEVICE_PATTERN = r"^(auto|cpu|gpu)(:[0-9]+)?$"
@@ -80,6 +84,11 @@ def mlx_core() -> Any:
     import mlx.core
 
     return mlx.core
+
+
+def mlx_imported() -> bool:
+    """Whether MLX is imported in this process (which starts CUDA)."""
+    return "mlx.core" in sys.modules
 
 
 def reported_devices() -> dict[str, int]:
@@ -111,7 +120,7 @@ def visible_gpus(environ: Mapping[str, str] | None = None, driver: Path | None =
 
 def narrow_to(choice: DeviceChoice, environ: MutableMapping[str, str] | None = None,
               driver: Path | None = None) -> DeviceChoice:
-    """Before CUDA starts: let this process see only the GPU ``choice`` names (``CUDA_VISIBLE_DEVICES`` in its own
+    """Before CUDA starts (see :func:`narrow_process`): let this process see only the GPU ``choice`` names (``CUDA_VISIBLE_DEVICES`` in its own
     environment, the operator's entry for it when they set the variable). Returns the device as MLX then numbers
     it (``gpu:0``); ``choice`` itself when there is nothing to narrow (a CPU, one GPU seen, GPUs not countable)."""
     visible = visible_gpus(environ, driver) if choice.type == "gpu" else None
@@ -165,28 +174,47 @@ def local_rank(rank: int, environ: Mapping[str, str] = os.environ) -> int:
 def select_device(setting: str, *, group: Any = None, where: str = FIELD,
                   devices: Mapping[str, int] | None = None) -> DeviceChoice:
     """:func:`choose_device` for this process: MLX's devices, and in a distributed ``group`` this rank's local
-    rank."""
+    rank. After :func:`narrow_process` the one GPU this process sees, ``gpu:0``, is the configured one."""
+    if os.environ.get(NARROWED_ENV):
+        return DeviceChoice("gpu", 0)
     rank = local_rank(group.rank()) if group is not None else None
     return choose_device(setting, devices if devices is not None else reported_devices(), local_rank=rank,
                          where=where)
 
 
-def use_device(choice: DeviceChoice) -> DeviceChoice:
-    """Serve on ``choice`` from now on: on CUDA the process sees that GPU alone (:func:`narrow_to`, when CUDA has
-    not started yet), MLX's default device (one for the process) becomes it, and the calling thread is set up for
-    it (:func:`enter_thread`). Call it on the thread that loads the model, before the weights are made; later
-    threads serve inside :func:`device_stream`. Returns the device as MLX numbers it."""
+def narrow_process(config_path: os.PathLike | str) -> DeviceChoice | None:
+    """First thing in a serving process, before MLX is imported (importing it starts CUDA): when CUDA shows it
+    several GPUs, let it see only the one its config's ``[model] device`` names (a ``[distributed]`` rank: its
+    local rank's, ``MLX_RANK`` being set by ``mlx.launch``). A device it does not see is a ``ConfigError`` naming
+    the file and field. Returns the configured device, None when there was nothing to narrow."""
+    from mlxd.config import load_config
+
+    config = load_config(Path(config_path))
+    visible = visible_gpus()
+    if visible is None or len(visible) <= 1 or config.model.device == "cpu":
+        return None
+    rank = os.environ.get("MLX_RANK") if config.distributed is not None else None
+    choice = choose_device(config.model.device, {"gpu": len(visible), "cpu": 1},
+                           local_rank=local_rank(int(rank)) if rank and rank.isdigit() else None,
+                           where=f"{config_path}: {FIELD}")
+    if mlx_imported():  # CUDA may have started with every GPU: narrowing now would mislead
+        log.warning("device_visibility_late", device=str(choice), reason="MLX was imported before the device "
+                    "was chosen; every GPU stays visible and the device is chosen by index")
+        return None
+    narrow_to(choice)
+    os.environ[NARROWED_ENV] = str(choice)
+    return choice
+
+
+def use_device(choice: DeviceChoice) -> None:
+    """Serve on ``choice`` from now on: MLX's default device (one for the process) becomes it, and the calling
+    thread is set up for it (:func:`enter_thread`). Call it on the thread that loads the model, before the weights
+    are made; later threads serve inside :func:`device_stream`."""
     global _chosen
-    mx = mlx_core()
-    served = narrow_to(choice) if mx.cuda.is_available() else choice
-    if served != choice and mx.device_count(mx.gpu) != 1:  # CUDA had started: the narrowing came too late
-        log.warning("device_visibility_ignored", device=str(choice), num_gpus=mx.device_count(mx.gpu),
-                    reason="CUDA started before the device was chosen; serving by device index instead")
-        served = choice
-    _chosen = served
-    enter_thread(served)
-    log.info("device", device=str(choice), mlx_device=str(served), devices=reported_devices())
-    return served
+    _chosen = choice
+    enter_thread(choice)
+    log.info("device", device=os.environ.get(NARROWED_ENV) or str(choice), mlx_device=str(choice),
+             cuda_visible_devices=os.environ.get(VISIBLE), devices=reported_devices())
 
 
 def chosen_device() -> DeviceChoice | None:
