@@ -91,6 +91,14 @@ def test_headers_above_the_limit_get_431_and_below_it_are_served(server):
         assert read_all(sock, 10).startswith(b"HTTP/1.1 431 ")
 
 
+def test_invalid_requests_get_400_and_are_counted_not_logged_each(server):
+    _, port, _, log = server
+    for _ in range(50):
+        with connect(port, b"NOT HTTP AT ALL\r\n\r\n") as sock:
+            assert read_all(sock, 10).startswith(b"HTTP/1.1 400 ")
+    assert "Invalid HTTP request" not in log.read_text()
+
+
 def test_a_256_mb_header_is_refused_without_being_read(server):
     base, port, proc, _ = server
     before = rss_bytes(proc.pid)
