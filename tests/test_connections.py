@@ -238,6 +238,6 @@ def test_the_connection_limit_leaves_a_reserve_of_descriptors():
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
     script = ("import resource; from mlxd.runtime.descriptors import raise_descriptor_limit; "
               "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 200)); "
-              "print(raise_descriptor_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))")
+              "print(raise_descriptor_limit((64, 200)), resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60).stdout
     assert out.strip() == "DescriptorLimit(soft=200, hard=200, was_soft=64, was_hard=200) (200, 200)"
