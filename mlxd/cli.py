@@ -83,6 +83,9 @@ def load_everything(path: Path):
 
 def check_config(argv: list[str]) -> int:
     args = check_parser().parse_args(argv)
+    from mlxd.runtime.descriptors import check_mlx_lm_can_load
+
+    check_mlx_lm_can_load()
     config, pipeline = load_everything(args.config)
     model = config.model
     from mlxd.models.load import check_source
@@ -112,7 +115,9 @@ def serve(argv: list[str]) -> NoReturn:
     from mlxd.runtime.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas(sys.argv[1:])
-    import mlxd.runtime.descriptors  # noqa: F401 (records the descriptor limit before importing mlx-lm lowers it)
+    from mlxd.runtime.descriptors import check_mlx_lm_can_load  # records the limit before mlx-lm lowers it
+
+    check_mlx_lm_can_load()
 
     for sig in (signal.SIGUSR1, signal.SIGUSR2):  # they would end the process; the server logs them once serving
         signal.signal(sig, signal.SIG_IGN)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -241,3 +242,31 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
               "print(raise_descriptor_limit((64, 200)), resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60).stdout
     assert out.strip() == "DescriptorLimit(soft=200, hard=200, was_soft=64, was_hard=200) (200, 200)"
+
+
+def _lower_hard_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def _may_raise_hard_limits() -> bool:
+    probe = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))"
+    return subprocess.run([sys.executable, "-c", probe], preexec_fn=_lower_hard_limit, capture_output=True,
+                          timeout=60, check=False).returncode == 0
+
+
+@pytest.mark.parametrize("command", [["check-config"], ["--config"]], ids=["check-config", "serve"])
+def test_a_hard_descriptor_limit_below_what_mlx_lm_sets_is_a_config_error_naming_the_fix(tmp_path, command):
+    if _may_raise_hard_limits():  # privileged (CAP_SYS_RESOURCE): the check raises the limit for mlx-lm instead
+        script = ("import resource; from mlxd.runtime.descriptors import check_mlx_lm_can_load; "
+                  "check_mlx_lm_can_load(); import mlx_lm.utils; print(resource.getrlimit(resource.RLIMIT_NOFILE))")
+        result = subprocess.run([sys.executable, "-c", script], preexec_fn=_lower_hard_limit, capture_output=True,
+                                text=True, timeout=120, check=False)
+        assert result.stdout.strip() == "(2048, 4096)", result.stderr[-2000:]
+        return
+    config = tmp_path / "mlxd.toml"
+    config.write_text('[model]\nsource = "embedded:smollm2-135m"\n')
+    result = subprocess.run([sys.executable, "-m", "mlxd", *command, str(config)], preexec_fn=_lower_hard_limit,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "the hard limit on open files is 1024" in result.stderr and "ulimit -Hn" in result.stderr

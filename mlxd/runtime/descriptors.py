@@ -15,6 +15,10 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
+from mlxd.errors import ConfigError
+
+# The hard limit mlx-lm sets when mlx_lm.utils is imported (with a soft limit of 2048).
+MLX_LM_HARD_LIMIT = 4096
 # Connections the derived limit never exceeds: each idle connection may hold up to [server] max_header_bytes of a
 # request's headers, so the limit is also a bound on that memory (4096 x 64 KiB = 256 MiB).
 MAX_DERIVED_CONNECTIONS = 4096
@@ -40,6 +44,22 @@ def _limit() -> tuple[int, int]:
 
 
 STARTED_WITH = _limit()  # before mlx-lm is imported, when this module is imported first (mlxd.cli does)
+
+
+def check_mlx_lm_can_load() -> None:
+    """Raise ``ConfigError`` naming the fix where the hard descriptor limit is below the 4096 mlx-lm sets at import,
+    and this process may not raise it: the import would fail with "ValueError: not allowed to raise maximum
+    limit" and a traceback."""
+    soft, hard = _limit()
+    if hard == resource.RLIM_INFINITY or hard >= MLX_LM_HARD_LIMIT:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, MLX_LM_HARD_LIMIT))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"the hard limit on open files is {hard}; mlx-lm sets it to {MLX_LM_HARD_LIMIT} when it is imported and "
+            f"fails below that: raise it to {MLX_LM_HARD_LIMIT} or more (ulimit -Hn, systemd LimitNOFILE=, "
+            f"launchd HardResourceLimits)") from e
 
 
 def _finite(value: int) -> int:
