@@ -23,7 +23,9 @@ of one GPU handed to another (or read on the host) is copied on the calling thre
 starts (:func:`narrow_process`: ``CUDA_VISIBLE_DEVICES`` set in the process itself, from ``[model] device``, before
 MLX is imported, since importing MLX starts CUDA; the operator sets nothing):
 the chosen GPU is then MLX's ``gpu:0``, and no buffer of another GPU exists. GPUs are counted without starting
-CUDA (``CUDA_VISIBLE_DEVICES`` when set, else the driver's ``/proc/driver/nvidia/gpus``).
+CUDA (``CUDA_VISIBLE_DEVICES`` when set, else the driver's ``/proc/driver/nvidia/gpus``). Measured the same way:
+set after ``import mlx.core`` the variable changed nothing (MLX still reported 2 GPUs); set first, ``gpu:1`` and
+the default both served, with the same greedy text, each process's memory on its own GPU only.
 
 :func:`use_device` then makes the device MLX's default, gives the calling thread its default stream there and
 evaluates and reads back a small array on it; :func:`device_stream` is what a long-lived thread (the engine's)
