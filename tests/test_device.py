@@ -242,6 +242,7 @@ def test_narrowing_refuses_a_gpu_not_seen_and_never_comes_late(two_gpus, tmp_pat
     with pytest.raises(ConfigError) as info:
         dev.narrow_process(path)
     assert info.value.message.startswith(f"{path}: model.device: 'gpu:2' is not a device here: MLX reports 2 gpu")
+    assert dev.narrow_process(write_config(tmp_path, "cpu:0")) is None  # the CPU: nothing to narrow
     monkeypatch.setattr(dev, "mlx_imported", lambda: True)  # CUDA may have started: leave the view alone
     assert dev.narrow_process(write_config(tmp_path, "gpu:1")) is None
     assert "CUDA_VISIBLE_DEVICES" not in os.environ and "MLXD_NARROWED_DEVICE" not in os.environ

@@ -193,12 +193,14 @@ def narrow_process(config_path: os.PathLike | str) -> DeviceChoice | None:
 
     config = load_config(Path(config_path))
     visible = visible_gpus()
-    if visible is None or len(visible) <= 1 or config.model.device == "cpu":
+    if visible is None or len(visible) <= 1:
         return None
     rank = os.environ.get("MLX_RANK") if config.distributed is not None else None
     choice = choose_device(config.model.device, {"gpu": len(visible), "cpu": 1},
                            local_rank=local_rank(int(rank)) if rank and rank.isdigit() else None,
                            where=f"{config_path}: {FIELD}")
+    if choice.type != "gpu":
+        return None
     if mlx_imported():  # CUDA may have started with every GPU: narrowing now would mislead
         log.warning("device_visibility_late", device=str(choice), reason="MLX was imported before the device "
                     "was chosen; every GPU stays visible and the device is chosen by index")
