@@ -3,7 +3,8 @@
 The command is ``mlx.launch`` with the config's backend and hosts (or hostfile, or ``tensor_parallel`` processes on
 this machine), running ``python -m mlxd --config FILE`` on each rank: rank 0 serves HTTP, the others follow it.
 Every rank is told its local rank (``MLXD_LOCAL_RANKS``), so that the ranks on one host
-serve on different GPUs without ``CUDA_VISIBLE_DEVICES`` (:mod:`mlxd.runtime.device`). ``mlx.launch`` ends the
+serve on different GPUs without the operator setting ``CUDA_VISIBLE_DEVICES`` (:mod:`mlxd.runtime.device`; with
+``--backend nccl`` and ``-n``, ``mlx.launch`` itself shows rank r only GPU r). ``mlx.launch`` ends the
 other ranks when one fails, but exits 0 whatever happened to them, so this command
 watches its report (``Node with rank N exited with code C`` / ``was killed``) and exits 1 when a rank failed:
 launchd and systemd then restart the job. SIGTERM and SIGINT go to every rank (rank 0 drains, then stops the
