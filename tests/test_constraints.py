@@ -223,7 +223,7 @@ def test_close_objects_reaches_nested_schemas_and_keeps_explicit_choices():
 def test_unsupported_schema_feature_is_a_request_error_naming_it(compiler, schema, named):
     with pytest.raises(RequestError) as caught:
         compiler.json_schema(schema, strict=False)
-    assert caught.value.param == "response_format"
+    assert caught.value.param == "response_format.json_schema.schema"
     assert named in caught.value.message, caught.value.message
 
 
@@ -231,7 +231,7 @@ def test_bad_tools_are_request_errors(compiler):
     bad_tool = {"type": "function", "function": {"name": "odd", "parameters": {"not": {"type": "string"}}}}
     with pytest.raises(RequestError, match="tool 'odd'.*not") as caught:
         compiler.tool_call([*TOOLS, bad_tool], "required")
-    assert caught.value.param == "tools"
+    assert caught.value.param == f"tools[{len(TOOLS)}].function.parameters"
     with pytest.raises(RequestError, match="'missing'") as caught:
         compiler.tool_call(TOOLS, {"type": "function", "function": {"name": "missing"}})
     assert caught.value.param == "tool_choice"
@@ -326,3 +326,44 @@ def test_equal_requests_reuse_the_compiled_grammar(tiny, compiler):
     assert accepts(compiler.json_schema(flipped), text)
     assert compiler.tool_call(TOOLS) is compiler.tool_call(json.loads(json.dumps(TOOLS)))
     assert compiler.tool_call(TOOLS, parallel=True) is not compiler.tool_call(TOOLS)
+
+
+@pytest.mark.parametrize(("schema", "cycle"), [
+    ({"$ref": "#"}, "#"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "#/$defs/a -> #/$defs/b -> #/$defs/a"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}}, "#/properties/x"),
+    ({"allOf": [{"$ref": "#"}]}, "allOf[0] -> #"),
+    ({"anyOf": [{"$ref": "#"}, {"type": "integer"}]}, None),  # an alternative ends it
+    ({"type": "array", "items": {"$ref": "#"}}, None),  # each level writes a bracket
+    ({"$defs": {"a/b": {"type": "string"}}, "$ref": "#/$defs/a~1b"}, None),
+])
+def test_ref_chains_that_come_back_are_found(schema, cycle):
+    from mlxd.constraints.schema import find_ref_cycle
+
+    assert find_ref_cycle(schema) == cycle
+
+
+def test_schemas_without_a_finite_instance_are_request_errors_naming_the_field(compiler):
+    with pytest.raises(RequestError, match=r"\$ref") as caught:
+        compiler.json_schema({"$ref": "#"})
+    assert caught.value.param == "response_format.json_schema.schema"
+    looped = {"type": "function", "function": {"name": "f", "parameters": {"allOf": [{"$ref": "#"}]}}}
+    with pytest.raises(RequestError, match=r"\$ref") as caught:
+        compiler.tool_call([*TOOLS, looped], "required")
+    assert caught.value.param == f"tools[{len(TOOLS)}].function.parameters"
+
+
+@pytest.mark.parametrize("name", ["</tool_call>", "a<tool_call>", 'a"b', "a b", "a\nb", "x" * 129, "<|call|>",
+                                  "[TOOL_CALLS]", "<｜tool▁sep｜>", "f(x)"])
+def test_names_that_could_hold_tool_call_markup_are_refused(compiler, name):
+    from mlxd.constraints.tools import check_tool_names
+
+    tools = [*TOOLS, {"type": "function", "function": {"name": name}}]
+    with pytest.raises(RequestError) as caught:
+        check_tool_names(tools)
+    assert caught.value.param == f"tools[{len(TOOLS)}].function.name"
+    with pytest.raises(RequestError) as caught:
+        compiler.tool_call(tools, "required")
+    assert caught.value.param == f"tools[{len(TOOLS)}].function.name"
+    check_tool_names([{"type": "function", "function": {"name": "mcp__fs__read-file.v2:x"}}])

@@ -163,4 +163,4 @@ def test_a_schema_feature_the_grammar_engine_cannot_enforce_is_a_400_naming_it(s
     response = httpx.post(base + "/v1/chat/completions", json=payload, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "response_format" and '"not"' in error["message"]
+    assert error["param"] == "response_format.json_schema.schema" and '"not"' in error["message"]

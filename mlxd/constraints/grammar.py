@@ -16,10 +16,11 @@ from typing import Any
 import llguidance
 import llguidance.hf
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxd.constraints.schema import close_objects, with_json_options
-from mlxd.constraints.tools import select_tools, tool_call_lark
+from mlxd.constraints.schema import close_objects, find_ref_cycle, with_json_options
+from mlxd.constraints.tools import select_tools, tool_call_lark, tool_index
 from mlxd.errors import RequestError
 
 # Short errors: verbose ones carry the whole grammar and parser state, which a client's 400 body does not need.
@@ -27,6 +28,7 @@ LIMITS = LLParserLimits(verbose_errors=False)
 _MAX_ERROR_CHARS = 600
 # Compiled grammars kept for reuse: clients tend to send the same schema or tools with every request.
 _CACHE_SIZE = 64
+SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -75,21 +77,25 @@ class GrammarCompiler:
         """JSON that validates against ``schema``. With ``strict`` (OpenAI's strict mode) objects that do not set
         ``additionalProperties`` are closed. A keyword llguidance cannot enforce (``not``, ``if``/``then``,
         ``uniqueItems``, ``oneOf``, an unknown ``format``, a remote ``$ref``, a look-around in a ``pattern``, ...)
-        is a ``RequestError(param="response_format")`` whose message names it; nothing is silently ignored."""
+        and a schema with no finite instance (a ``$ref`` loop) are a ``RequestError`` naming the field
+        (:data:`SCHEMA_PARAM`) whose message names the keyword; nothing is silently ignored."""
         if not isinstance(schema, dict):
             raise RequestError(f"response_format.json_schema.schema must be a JSON object, got {schema!r}"[:200],
-                               param="response_format")
+                               param=SCHEMA_PARAM)
         return self._cached(["json_schema", schema, bool(strict)], lambda: self._json_schema(schema, strict))
 
     def _json_schema(self, schema: dict[str, Any], strict: bool) -> CompiledGrammar:
+        if (cycle := find_ref_cycle(schema)) is not None:
+            raise RequestError(f"response_format json_schema has no finite instance: its $ref chain {cycle[:200]} "
+                               f"leads back to itself", param=SCHEMA_PARAM)
         if strict:
             schema = close_objects(schema)
-        schema = with_json_options(schema, param="response_format")
+        schema = with_json_options(schema, param=SCHEMA_PARAM)
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema)
         except ValueError as e:
-            raise RequestError(f"response_format json_schema is invalid: {e}", param="response_format") from e
-        return self.compile(grammar, feature="json_schema", param="response_format")
+            raise RequestError(f"response_format json_schema is invalid: {_clean(str(e))}", param=SCHEMA_PARAM) from e
+        return self.compile(grammar, feature="json_schema", param=SCHEMA_PARAM)
 
     def tool_call(self, tools: list[dict[str, Any]], choice: str | dict[str, Any] = "required",
                   parallel: bool = False) -> CompiledGrammar:
@@ -97,7 +103,7 @@ class GrammarCompiler:
 
         ``choice`` is ``"required"`` (any of ``tools``) or ``{"type": "function", "function": {"name": ...}}``;
         with ``parallel`` one or more calls separated by newlines. ``RequestError`` names a bad tool, choice or
-        parameters schema (param ``tools`` or ``tool_choice``).
+        parameters schema (param ``tools[i]...`` or ``tool_choice``).
         """
         return self._cached(["tool_call", tools, choice, bool(parallel)],
                             lambda: self._tool_call(tools, choice, parallel))
@@ -108,13 +114,19 @@ class GrammarCompiler:
         try:
             return self.compile(LLMatcher.grammar_from_lark(lark), feature="tool_call", param="tools")
         except RequestError:
-            self._blame_tool(functions)
+            self._blame_tool(tools, functions)
             raise
 
     def compile(self, grammar: str, *, feature: str, param: str) -> CompiledGrammar:
         """Compile llguidance grammar text (``LLMatcher.grammar_from_*``) for this tokenizer; a grammar llguidance
-        rejects is a ``RequestError(param=param)`` that quotes llguidance's reason."""
+        rejects, at once or at its first token, is a ``RequestError(param=param)`` that quotes llguidance's
+        reason."""
         matcher = LLMatcher(self.llg_tokenizer(), grammar, log_level=0, limits=LIMITS)
+        if not matcher.is_error():  # some grammars fail only when asked for their first tokens
+            probe = matcher.deep_copy()
+            fill_next_token_bitmask(probe, allocate_token_bitmask(1, self.llg_tokenizer().vocab_size))
+            if probe.is_error():
+                matcher = probe
         if matcher.is_error():
             raise RequestError(f"{feature} cannot be enforced: {_clean(matcher.get_error())}", param=param)
         return CompiledGrammar(grammar=grammar, matcher=matcher, feature=feature)
@@ -155,12 +167,16 @@ class GrammarCompiler:
             raise RequestError(f"grammar-constrained output is not available for this model's tokenizer "
                                f"({type(self._hf).__name__}): {e}") from e
 
-    def _blame_tool(self, functions: dict[str, dict[str, Any]]) -> None:
+    def _blame_tool(self, tools: list[dict[str, Any]], functions: dict[str, dict[str, Any]]) -> None:
         """Raise a ``RequestError`` naming the first tool whose parameters schema does not compile alone."""
         for name, parameters in functions.items():
-            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(parameters), limits=LIMITS)
+            try:
+                error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(parameters), limits=LIMITS)
+            except ValueError as e:
+                error = str(e)
             if error:
-                raise RequestError(f"tool {name!r}: parameters cannot be enforced: {_clean(error)}", param="tools")
+                raise RequestError(f"tool {name!r}: parameters cannot be enforced: {_clean(error)}",
+                                   param=f"tools[{tool_index(tools, name)}].function.parameters")
 
 
 def _clean(error: str) -> str:

@@ -4,6 +4,7 @@ with, and OpenAI's strict-mode reading of objects that do not say whether they a
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 from mlxd.errors import RequestError
 
@@ -56,3 +57,54 @@ def close_objects(schema: Any) -> Any:
 def _is_object_schema(schema: dict[str, Any]) -> bool:
     kind = schema.get("type")
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+
+
+def find_ref_cycle(schema: Any) -> str | None:
+    """A ``$ref`` (or ``allOf`` branch) chain that leads back to where it began, without a character of JSON in
+    between, as ``"#/a -> #/b -> #/a"``; ``None`` when there is none. Such a schema (``{"$ref": "#"}``, two
+    definitions that refer to each other) has no finite instance, and llguidance only finds out mid-generation."""
+    nodes: list[Any] = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes.extend(node)
+        elif isinstance(node, dict):
+            if (cycle := _cycle_from(schema, node)) is not None:
+                return cycle
+            nodes.extend(node.values())
+    return None
+
+
+def _cycle_from(root: Any, start: dict[str, Any]) -> str | None:
+    """Depth-first over the edges that consume no input (``$ref``, ``allOf`` branches), from ``start``."""
+    stack: list[tuple[Any, tuple[str, ...], frozenset[int]]] = [(start, (), frozenset())]
+    while stack:
+        node, path, seen = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if id(node) in seen:
+            return " -> ".join(path)
+        seen = seen | {id(node)}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            stack.append((_resolve(root, ref), (*path, ref), seen))
+        branches = node.get("allOf")
+        if isinstance(branches, list):
+            stack.extend((branch, (*path, f"allOf[{i}]"), seen) for i, branch in enumerate(branches))
+        if len(path) > 64:  # a chain this long is not a schema anyone writes; llguidance's own limits apply
+            return None
+    return None
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (a JSON pointer after ``#``) names, or None."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        key = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(key)
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
