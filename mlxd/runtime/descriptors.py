@@ -13,6 +13,7 @@ started with where it may, and raises the soft limit to the hard one in any case
 from __future__ import annotations
 
 import resource
+import sys
 from dataclasses import dataclass
 
 from mlxd.errors import ConfigError
@@ -51,8 +52,8 @@ def check_mlx_lm_can_load() -> None:
     and this process may not raise it: the import would fail with "ValueError: not allowed to raise maximum
     limit" and a traceback."""
     soft, hard = _limit()
-    if hard == resource.RLIM_INFINITY or hard >= MLX_LM_HARD_LIMIT:
-        return
+    if hard == resource.RLIM_INFINITY or hard >= MLX_LM_HARD_LIMIT or "mlx_lm.utils" in sys.modules:
+        return  # (once imported, mlx-lm sets nothing more)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, MLX_LM_HARD_LIMIT))
     except (OSError, ValueError) as e:
