@@ -85,6 +85,13 @@ class RenderBounds:
     max_bytes: int = 64 * 1024 * 1024
 
 
+def render_bounds(config: Any) -> RenderBounds:
+    """The bounds a daemon config (``[model] template_timeout_s``, ``template_max_bytes``) sets; the defaults
+    without one."""
+    model = getattr(config, "model", None)
+    return RenderBounds(model.template_timeout_s, model.template_max_bytes) if model is not None else RenderBounds()
+
+
 class ChatRenderer:
     """Renders one tokenizer's chat template(s) within :class:`RenderBounds`; thread-safe.
 

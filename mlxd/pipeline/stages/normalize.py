@@ -29,6 +29,7 @@ from mlxd.config.schema import VisionConfig
 from mlxd.errors import RequestError
 from mlxd.media.parts import find_image_parts, is_image_part, load_images
 from mlxd.pipeline.job import Job
+from mlxd.pipeline.render import ChatRenderer, render_bounds
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 ROLE_ALIASES = {"developer": "system", "function": "tool"}
@@ -60,12 +61,13 @@ class Normalize(Stage):
         # Tests inject these: a resolver (host → addresses) and hosts exempt from the address checks.
         self.resolver: Any = None
         self.allow_hosts: frozenset[str] = frozenset()
+        renderer = ChatRenderer(ctx.tokenizer, render_bounds(ctx.config))
         if self.config.merge_consecutive == "auto":
-            self.requires_alternation = not _renders(ctx.tokenizer, _probe_consecutive())
+            self.requires_alternation = not _renders(renderer, _probe_consecutive())
         marker = "MLXD-PROBE-7f3a"
-        self.mid_system_in_place = marker in (_render(ctx.tokenizer, _probe_mid_system(marker)) or "")
-        self.arguments_as_text = (not _renders(ctx.tokenizer, _probe_tool_call({"x": 1}))
-                                  and _renders(ctx.tokenizer, _probe_tool_call('{"x": 1}')))
+        self.mid_system_in_place = marker in (_render(renderer, _probe_mid_system(marker)) or "")
+        self.arguments_as_text = (not _renders(renderer, _probe_tool_call({"x": 1}))
+                                  and _renders(renderer, _probe_tool_call('{"x": 1}')))
 
     def prepare(self, job: Job) -> None:
         if job.messages is None:
@@ -171,15 +173,15 @@ def merge_consecutive(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> str | None:
+    try:  # bounded in time and size: a model's template may be hostile
+        return renderer.render(messages, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that raises is exactly what the probe detects
         return None
 
 
-def _renders(tokenizer: Any, messages: list[dict[str, Any]]) -> bool:
-    return _render(tokenizer, messages) is not None
+def _renders(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> bool:
+    return _render(renderer, messages) is not None
 
 
 def _probe_consecutive() -> list[dict[str, Any]]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxd.constraints.tools import check_tool_names
 from mlxd.errors import ContextLengthExceeded, RequestError
 from mlxd.log import get_logger
 from mlxd.pipeline.hermes import tool_list_in_system, tool_mode, tools_in_messages
 from mlxd.pipeline.images import ImageInputs
 from mlxd.pipeline.job import Job
-from mlxd.pipeline.render import ChatRenderer, RenderBounds
+from mlxd.pipeline.render import ChatRenderer, render_bounds
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
 
 log = get_logger("mlxd.pipeline")
@@ -50,9 +51,7 @@ class Template(Stage):
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
-        model = ctx.config.model if ctx.config is not None else None
-        bounds = RenderBounds(model.template_timeout_s, model.template_max_bytes) if model else RenderBounds()
-        self.renderer = ChatRenderer(ctx.tokenizer, bounds)
+        self.renderer = ChatRenderer(ctx.tokenizer, render_bounds(ctx.config))
         self.images = ImageInputs(ctx.processor, ctx.model.image_token_id) if ctx.processor is not None else None
         self.context_length = ctx.model.context_length
         # Templates that do not render tools themselves get help (mlxd.pipeline.hermes).
@@ -64,6 +63,7 @@ class Template(Stage):
 
     def prepare(self, job: Job) -> None:
         if job.messages is not None:
+            check_tool_names(job.tools)  # a name holding tool-call markup would forge or break calls
             self._refuse_oversized(num_rendered_bytes(job.messages), "messages")
             job.prompt_text = self._render(job, self.config.add_generation_prompt)
             if job.images and self.images is not None:
