@@ -211,7 +211,8 @@ class Daemon:
             raise Overloaded(f"{num_preparing} requests are being prepared (at most {self.max_preparing}) and "
                              f"{num_engine} are in the engine (at most {capacity} in all); retry shortly",
                              retry_after=retry_after)
-        return await preparation.submit(self.pipeline.prepare, job, until, flag=flag)
+        args = (job,) if until is None else (job, until)  # a plain prepare(job) for whoever wraps the pipeline
+        return await preparation.submit(self.pipeline.prepare, *args, flag=flag)
 
     def size_limits(self) -> dict[str, int]:
         """The bounds ``mlxd.api.validate.check_size`` checks a body against (no text bound before loading)."""

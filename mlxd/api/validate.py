@@ -50,7 +50,7 @@ def check_size(body: Any, *, max_prompt_bytes: int, context_length: int, max_mes
         num_bytes, num_values = num_bytes + field_bytes, num_values + field_values
         if num_bytes > max_prompt_bytes:
             raise ContextLengthExceeded(
-                f"the prompt's text (counted up to {field}) has more than {max_prompt_bytes} bytes: more than the "
+                f"the text of the prompt (counted up to {field}) has more than {max_prompt_bytes} bytes: more than the "
                 f"{context_length}-token context of this model can hold", param=field)
         if num_values > max_values:
             raise RequestError(f"the request holds more than {max_values} values up to {field} (at most "

@@ -66,7 +66,7 @@ class PixelBudget:
         if self.pixels_left is not None:
             if pixels > self.pixels_left:
                 raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param,
-                                       f"the request's images may decode {self.max_request_pixels} pixels in all "
+                                       f"the images of one request may decode {self.max_request_pixels} pixels in all "
                                        f"([vision] max_request_pixels), {self.pixels_left} were left")
             self.pixels_left -= pixels
 
