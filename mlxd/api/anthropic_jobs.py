@@ -51,12 +51,11 @@ from mlxd.errors import RequestError
 from mlxd.log import get_logger
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import ModelInfo
+from mlxd.pipeline.stops import check_stops
 
 log = get_logger("mlxd.api")
 
 BILLING_HEADER = "x-anthropic-billing-header"
-# As on the OpenAI surface: every stop sequence is searched for in every piece of text.
-MAX_STOP_SEQUENCES = 16
 
 
 def new_message_id() -> str:
@@ -66,10 +65,7 @@ def new_message_id() -> str:
 def messages_job(body: MessagesRequest, model: str, defaults: SamplingDefaults) -> Job:
     """The job of a ``/v1/messages`` request. ``max_tokens`` beyond what the context leaves is clamped (Anthropic
     clients send their model's whole output limit), not refused. Raises ``RequestError`` naming the field."""
-    stops = [s for s in body.stop_sequences or [] if s]
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise RequestError(f"at most {MAX_STOP_SEQUENCES} stop_sequences are allowed, got {len(stops)}",
-                           param="stop_sequences")
+    stops = check_stops(body.stop_sequences or [], "stop_sequences")
     job = prompt_job(body, model)
     job.max_tokens = body.max_tokens
     job.clamp_max_tokens = True

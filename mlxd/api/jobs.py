@@ -14,6 +14,7 @@ from mlxd.engine.base import SamplingParams
 from mlxd.errors import RequestError
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.render import check_template_switches
+from mlxd.pipeline.stops import check_stops
 
 
 def new_request_id(prefix: str) -> str:
@@ -48,10 +49,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > 16:
-        raise RequestError(f"at most 16 stop sequences are allowed, got {len(stops)}", param="stop")
-    return [s for s in stops if s]
+    return check_stops([stop] if isinstance(stop, str) else list(stop or []), "stop")
 
 
 def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:

@@ -1,4 +1,5 @@
-"""``detokenize``: token ids → text, with stop sequences cut exactly and special tokens kept out of content.
+"""``detokenize``: token ids → text, with stop sequences cut exactly (:mod:`mlxd.pipeline.stops`, in linear time)
+and special tokens kept out of content.
 
 It makes :class:`ContentDelta`, :class:`TokenLogprobs` and :class:`Done` events. Special tokens that a later stage
 needs (``Job.keep_token_ids``: tool-call and channel markers, for ``parse``) stay in the text.
@@ -14,49 +15,12 @@ from mlxd.engine.base import Finished, Token
 from mlxd.pipeline.events import ContentDelta, Done, TokenLogprob, TokenLogprobs, TopLogprob
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
+from mlxd.pipeline.stops import StopCutter
 
 
 class DetokenizeConfig(NoOptions, frozen=True):
     # Special tokens (chat markers, BOS/EOS) never reach content unless this is turned off.
     skip_special_tokens: bool = True
-
-
-class StopCutter:
-    """Finds stop sequences across token boundaries, holding back text that may start one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.text = ""
-        self.emitted = 0
-
-    def feed(self, segment: str) -> tuple[str, str | None]:
-        """Add text; return (text safe to emit now, the stop sequence hit or None)."""
-        if not self.stops:  # nothing to find or hold back: the text passes through (not kept)
-            return segment, None
-        start = max(0, self.emitted - max((len(s) for s in self.stops), default=0))
-        self.text += segment
-        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, stop = min(hits)
-            return self._emit_until(at), stop
-        return self._emit_until(len(self.text) - self._held_back()), None
-
-    def flush(self) -> str:
-        return self._emit_until(len(self.text)) if self.stops else ""
-
-    def _held_back(self) -> int:
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
-
-    def _emit_until(self, end: int) -> str:
-        end = max(end, self.emitted)
-        out, self.emitted = self.text[self.emitted : end], end
-        return out
 
 
 class Detokenize(Stage):
