@@ -115,6 +115,9 @@ def serve(argv: list[str]) -> NoReturn:
     from mlxd.runtime.blas import maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas(sys.argv[1:])
+    from mlxd.runtime.device import narrow_process
+
+    narrow_process(args.config)  # before MLX is imported: importing it starts CUDA on every visible GPU
     from mlxd.runtime.descriptors import check_mlx_lm_can_load  # records the limit before mlx-lm lowers it
 
     check_mlx_lm_can_load()
@@ -141,7 +144,7 @@ def serve(argv: list[str]) -> NoReturn:
     base_dir = args.config.resolve().parent
     group = None
     if config.distributed is not None:
-        from mlxd.engine.group import init_group
+        from mlxd.engine.distributed.channel import init_group
 
         group = init_group(config.distributed)
         if group.rank() != 0:
