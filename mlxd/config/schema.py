@@ -113,8 +113,10 @@ class SpeculativeConfig(Base):
 
 class EngineConfig(Base):
     type: Literal["batched"] = "batched"
-    # Requests decoding together in one batch; more wait in the queue.
-    max_running: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # Requests decoding together in one batch; more wait in the queue. 0: derived at start-up from the memory
+    # budget (rows of 4096 tokens that fit beside the weights and the prefix cache, a power of two up to 64), and
+    # logged as `max_running` with its source and inputs.
+    max_running: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Requests allowed to wait for a running slot; beyond this new requests get 429 with Retry-After.
     max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 64
     # The most choices one request may ask for (`n`); each is a request of its own in the batch.

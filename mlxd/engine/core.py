@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
+import msgspec
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Plain, SamplingParams
@@ -38,7 +39,13 @@ from mlxd.engine.commands import (
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.prefix import PromptReuse, is_trimmable
 from mlxd.engine.requests import RequestTable, Submitted
-from mlxd.engine.schedule.memory import MemoryBudget, measure_memory
+from mlxd.engine.schedule.memory import (
+    MAX_DERIVED_RUNNING,
+    MemoryBudget,
+    RunningLimit,
+    derive_max_running,
+    measure_memory,
+)
 from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, prompts_to_batch
 from mlxd.engine.step.row import Refused, make_request_cache, reset_random_state
 from mlxd.engine.step.runner import StepRunner
@@ -79,10 +86,13 @@ class EngineCore:
                  record: Callable[[Command], None] | None = None) -> None:
         self.config = config
         self.table = RequestTable()
-        self.scheduler = Scheduler(max_running=config.max_running, max_waiting=config.max_waiting,
+        # max_running 0: derived from the memory budget at warm-up (until then one row).
+        self.scheduler = Scheduler(max_running=config.max_running or 1, max_waiting=config.max_waiting,
                                    step_token_budget=config.step_token_budget)
         self.reuse = PromptReuse(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self.memory: MemoryBudget | None = None  # measured at warm-up
+        # max_running and where it came from (the config, or derived from the memory budget at warm-up).
+        self.running_limit = RunningLimit(config.max_running, "config")
         vision = (VisionPrefill(model, config.vision_feature_cache_bytes, deliver if channel is None else None)
                   if hasattr(model, "encode") else None)
         self.runner = StepRunner(model, config, table=self.table, scheduler=self.scheduler, reuse=self.reuse,
@@ -122,7 +132,26 @@ class EngineCore:
         log.info("memory_budget", limit_bytes=self.memory.limit_bytes, weights_bytes=self.memory.weights_bytes,
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
                  kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes)
+        self._set_max_running()
         self.runner.warm_up()
+
+    def _set_max_running(self) -> None:
+        """``[engine] max_running`` as set, or (0) derived from the memory budget; logged with where it came from.
+        The engine's config then holds the number (warm-up meets batches up to it)."""
+        config = self.config
+        if config.max_running:
+            self.running_limit = RunningLimit(config.max_running, "config")
+        else:
+            self.running_limit = derive_max_running(self.memory, prefix_cache_bytes=config.prefix_cache_bytes,
+                                                    max_kv_size=config.max_kv_size)
+            self.config = msgspec.structs.replace(config, max_running=self.running_limit.max_running)
+            self.runner.config = self.config
+        self.scheduler.max_running = self.running_limit.max_running
+        limit = self.running_limit
+        log.info("max_running", max_running=limit.max_running, source=limit.source,
+                 **({"context_tokens": limit.context_tokens, "row_bytes": limit.row_bytes,
+                     "room_bytes": limit.room_bytes, "prefix_cache_bytes": config.prefix_cache_bytes,
+                     "max_derived": MAX_DERIVED_RUNNING} if limit.source == "derived" else {}))
 
     # ---- what the serving core decides ----
 

@@ -63,7 +63,6 @@ class BatchedEngine:
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
                  drafter: Drafter | None = None, channel: Group | None = None,
                  leader: Leader | None = None) -> None:
-        self.config = config
         self.model = model
         self.drafter = drafter
         # Images are encoded on a thread of their own while the engine steps (not in a distributed group, whose
@@ -86,6 +85,16 @@ class BatchedEngine:
             leader.attach(self)
 
     # Views of the core's parts, for the owner and for status pages.
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings; ``max_running`` as resolved at warm-up (set, or derived from the memory budget)."""
+        return self.core.config
+
+    @property
+    def max_running(self) -> int:
+        """Requests that may decode together (``[engine] max_running``, or derived at warm-up when it is 0)."""
+        return self.core.config.max_running
 
     @property
     def vocab_size(self) -> int:
@@ -150,7 +159,7 @@ class BatchedEngine:
         """Seconds a newcomer should wait before retrying: the queue ahead of it, over the running slots, times the
         recent mean request duration (1 s while none is known); at least 1."""
         num_queued = self.core.table.num_pending + self.scheduler.num_waiting
-        return max(1.0, num_queued / self.config.max_running * (self.core.table.mean_duration_s or 1.0))
+        return max(1.0, num_queued / self.scheduler.max_running * (self.core.table.mean_duration_s or 1.0))
 
     def submit(self, request: EngineRequest) -> RequestHandle:
         state = SequenceState.for_request(request)
@@ -197,6 +206,7 @@ class BatchedEngine:
             "waiting": [s.snapshot(prompts) for s in [*waiting, *pending]],
             "limits": {
                 "max_running": self.config.max_running,
+                "max_running_source": self.core.running_limit.source,
                 "max_waiting": self.config.max_waiting,
                 "step_token_budget": self.config.step_token_budget,
             },

@@ -181,6 +181,40 @@ def require_fits(budget: MemoryBudget, num_prompt_tokens: int, max_tokens: int, 
     return num_bytes
 
 
+# A default max_running ([engine] max_running = 0) is the number of rows whose caches, each at this many tokens, fit
+# the budget beside the weights and the prefix cache. Not the model's context length: rows of 32-128k tokens each
+# would allow one to three rows on most devices, where a shared server mostly sees chat turns of a few thousand
+# tokens; and admission still holds every request to what memory allows (rows x the largest reservation, at most
+# the budget), so this only caps how many may run when they fit.
+TYPICAL_CONTEXT_TOKENS = 4096
+# The derived value is rounded down to a power of two and kept at most this: warm-up meets every batch width up to
+# max_running on GPU backends (202 s at 64 rows on an H200 with Qwen3-8B, 40 s at 16), and the issue's shared-server
+# load is 32-64 streams. Set [engine] max_running for more.
+MAX_DERIVED_RUNNING = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RunningLimit:
+    """How many requests may decode together, and where the number came from (``config`` or ``derived``)."""
+
+    max_running: int
+    source: str
+    context_tokens: int = 0
+    row_bytes: int = 0
+    room_bytes: int = 0
+
+
+def derive_max_running(budget: MemoryBudget, *, prefix_cache_bytes: int, max_kv_size: int = 0) -> RunningLimit:
+    """The default ``max_running``: rows of :data:`TYPICAL_CONTEXT_TOKENS` tokens (``max_kv_size`` when a rotating
+    cache keeps fewer) that fit what the limit leaves beside the weights and the prefix cache, rounded down to a
+    power of two in ``[1, MAX_DERIVED_RUNNING]``."""
+    context = min(TYPICAL_CONTEXT_TOKENS, max_kv_size) if max_kv_size else TYPICAL_CONTEXT_TOKENS
+    row_bytes = max(1, budget.kv.num_bytes(context))
+    room = budget.kv_budget_bytes - prefix_cache_bytes
+    rows = min(MAX_DERIVED_RUNNING, max(1, room // row_bytes))
+    return RunningLimit(1 << (rows.bit_length() - 1), "derived", context, row_bytes, room)
+
+
 def memory_status(budget: MemoryBudget, reserved_bytes: int, prefix_cache_bytes: int) -> dict[str, Any]:
     """The ``memory`` fields of ``GET /v1/status`` that admission adds."""
     return {
