@@ -287,6 +287,7 @@ class Daemon:
             body["error"] = self.error
         if self.engine is not None and self.state in ("ready", "draining"):
             body["num_active"] = self.engine.num_active
+            body["num_preparing"] = self.preparation.num_preparing  # requests being prepared, not yet in the engine
         try:
             self.require_ready()
         except NotReady as e:

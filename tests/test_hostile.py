@@ -4,7 +4,7 @@ of each kind at once (a 9 MB assistant message, 480,000 empty messages, a 9 MB t
 ``chat_template_kwargs``). Oracles: each is refused in the API's error shape (or its client left); meanwhile
 ``/health`` answers within 0.5 s and a greedy request gives the output it gives alone within twice its time plus
 1 s; afterwards the daemon's RSS is within 300 MB of where it was after warm-up, and SIGTERM ends it within
-``drain_timeout_s`` + 5 s."""
+``drain_timeout_s`` + 5 s, also while preparation workers are stuck in calls that never check for cancellation."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from tests.helpers import free_port, serve_subprocess, write_config
+from mlxd.pipeline.job import Job
+from mlxd.pipeline.stage import Stage
+from tests.helpers import CHAT_PIPELINE, ROOT, free_port, serve_subprocess, write_config
 
 NUM_EACH = 6
 DRAIN_TIMEOUT_S = 2
@@ -146,3 +148,41 @@ def test_hostile_requests_starve_nothing_and_memory_comes_back(tiny_vlm, tmp_pat
         exit_s = time.monotonic() - signalled
         print(f"SIGTERM: exit {code} after {exit_s:.2f} s (drain_timeout_s = {DRAIN_TIMEOUT_S})")
         assert code == 0 and exit_s < DRAIN_TIMEOUT_S + 5
+
+
+class Stuck(Stage):
+    """Holds a request whose text says STUCK for a minute in one call that never checks for cancellation, as a
+    tokenizer call on a huge prompt does."""
+
+    name = "stuck"
+
+    def prepare(self, job: Job) -> None:
+        if "STUCK" in json.dumps(job.messages):
+            time.sleep(60)
+
+
+def test_sigterm_exits_in_time_while_preparation_workers_are_stuck(tiny_model_dir, tmp_path):
+    (tmp_path / "stuck.toml").write_text(f'[[stages]]\ntype = "{__name__}:Stuck"\n\n' + CHAT_PIPELINE.read_text())
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, pipeline=f'pipeline = "{tmp_path / "stuck.toml"}"',
+                          server_extra=f"drain_timeout_s = {DRAIN_TIMEOUT_S}\nprepare_workers = 2")
+    stuck = {"model": "tiny", "messages": [{"role": "user", "content": "STUCK"}], "max_tokens": 4}
+    with serve_subprocess(config, port, env={"PYTHONPATH": str(ROOT)}) as (base, proc):
+        out: list = []
+        threads = [threading.Thread(target=_send, args=(base, "/v1/chat/completions", json.dumps(stuck).encode(),
+                                                        None, out), daemon=True) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json().get("num_preparing", 0) < 3:
+            assert time.monotonic() < deadline, "the requests did not reach preparation"
+            time.sleep(0.05)
+        started = time.monotonic()
+        assert httpx.get(base + "/health", timeout=5).status_code == 200  # both workers are stuck
+        assert time.monotonic() - started < 0.5
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(DRAIN_TIMEOUT_S + 10)
+        exit_s = time.monotonic() - signalled
+    print(f"\nSIGTERM with two stuck workers and one request waiting: exit {code} after {exit_s:.2f} s")
+    assert code == 0 and exit_s < DRAIN_TIMEOUT_S + 5

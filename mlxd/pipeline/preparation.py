@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxd.runtime.cancel import CancelFlag, cancel_scope
+from mlxd.runtime.cancel import CancelFlag, Cancelled, cancel_scope
 
 # Weight of the newest preparation time in the running mean (for ``Retry-After``).
 _MEAN_WEIGHT = 0.2
@@ -38,7 +38,8 @@ class Preparation:
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._flags: set[CancelFlag] = set()
+        # Each unfinished task's flag → the loop and future of the request waiting for it.
+        self._tasks: dict[CancelFlag, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._closed = False
         self.mean_s: float | None = None
 
@@ -46,7 +47,7 @@ class Preparation:
     def num_preparing(self) -> int:
         """Tasks submitted and not finished: waiting for a worker or running on one."""
         with self._lock:
-            return len(self._flags)
+            return len(self._tasks)
 
     def estimate_s(self) -> float:
         """Seconds until a newcomer would start: the tasks ahead of it over the workers, times the mean task."""
@@ -61,7 +62,7 @@ class Preparation:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the preparation workers are closed")
-            self._flags.add(flag)
+            self._tasks[flag] = (loop, future)
             if len(self._threads) < self.num_workers:
                 thread = threading.Thread(target=self._work, name=f"mlxd-prepare-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
@@ -70,12 +71,16 @@ class Preparation:
         return future
 
     def cancel_all(self, reason: str, status: int = 503) -> int:
-        """Set the flag of every unfinished task; returns how many."""
+        """Set the flag of every unfinished task and answer its request with
+        :class:`~mlxd.runtime.cancel.Cancelled` at once, without waiting for a worker that may be stuck in a call
+        that never checks (it stays counted until it returns); returns how many."""
         with self._lock:
-            flags = list(self._flags)
-        for flag in flags:
+            tasks = list(self._tasks.items())
+        for flag, (loop, future) in tasks:
             flag.set(reason, status)
-        return len(flags)
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(_settle, future, (False, Cancelled(flag.reason, status=flag.status)))
+        return len(tasks)
 
     def close(self) -> None:
         """Cancel what is left and let the workers end; never waits for one (see the module docstring)."""
@@ -95,7 +100,7 @@ class Preparation:
             except BaseException as e:  # noqa: BLE001 - handed to the request waiting for it, which raises it
                 outcome = (False, e)
             with self._lock:
-                self._flags.discard(flag)
+                self._tasks.pop(flag, None)
                 seconds = time.monotonic() - started
                 self.mean_s = seconds if self.mean_s is None else (
                     (1 - _MEAN_WEIGHT) * self.mean_s + _MEAN_WEIGHT * seconds)
@@ -110,7 +115,7 @@ def _scoped(flag: CancelFlag, fn: Callable[..., Any], args: tuple) -> Any:
 
 
 def _settle(future: asyncio.Future, outcome: tuple[bool, Any]) -> None:
-    if future.cancelled():
+    if future.done():  # cancelled, or answered already by cancel_all
         return
     ok, value = outcome
     if ok:
