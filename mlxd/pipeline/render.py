@@ -8,7 +8,9 @@ tokenize=False)`` does (same options, filters, globals and inputs) and adds boun
   ``**``, ``+``, ``%`` and ``~``; string methods and filters that take a width, a count or a separator
   (``center``, ``ljust``, ``zfill``, ``replace``, ``join``, ``split``, ``format``, ``indent``, ``tojson(indent)``,
   ``batch``, ...); an integer argument above the bound is refused outright. Other call and filter results are
-  measured after they return. The rendered text is counted as it streams. Each is held to ``max_bytes``.
+  measured after they return. The rendered text is counted as it streams. Each is held to ``max_bytes``, and all
+  that one render builds (checked values, the output of blocks and macros, the prompt) to ``BUDGET_FACTOR`` times
+  that, so deep recursion holding a large value at each level is bounded too.
 - **Time.** A watchdog thread delivers :class:`TemplateTimeout` into the rendering thread at the deadline
   (``PyThreadState_SetAsyncExc``): Jinja runs Python bytecode, so any loop shape is interrupted.
 
@@ -49,6 +51,8 @@ TEMPLATE_SWITCHES: dict[str, str] = {
     "add_vision_id": "Qwen2-VL, Qwen2.5-VL: number the pictures",
 }
 MAX_SWITCH_BYTES = 256
+# All the values and text one render may build, in multiples of ``max_bytes`` (a value may reach ``max_bytes`` alone).
+BUDGET_FACTOR = 4
 _T = TypeVar("_T")
 
 
@@ -127,6 +131,7 @@ class ChatRenderer:
     def _bounded(self, fn: Callable[[], _T], started: float) -> _T:
         """``fn()`` within what is left of the deadline of a render that began at ``started``."""
         remaining = max(self.bounds.timeout_s - (time.monotonic() - started), 0.0)
+        self.env.begin(BUDGET_FACTOR * self.bounds.max_bytes)
         try:
             return run_with_deadline(fn, remaining)
         except TemplateTimeout:

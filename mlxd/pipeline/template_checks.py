@@ -255,4 +255,4 @@ def check_call(env: Any, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 def _check_int_arguments(env: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for value in (*args, *kwargs.values()):
         if is_int(value):
-            env.check(value, "an integer argument")
+            env.check(value, "an integer argument", charge=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -51,8 +52,32 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _Buffer(list):
+    """The output a macro, call, filter or ``set`` block gathers before joining it: charged as it grows."""
+
+    __slots__ = ("_env",)
+
+    def __init__(self, env: BoundedEnvironment) -> None:
+        super().__init__()
+        self._env = env
+
+    def append(self, item: Any) -> None:
+        self._env.charge(len(item) if isinstance(item, str) else 0, "a block's output")
+        super().append(item)
+
+    def extend(self, items: Any) -> None:
+        items = tuple(items)
+        self._env.charge(sum(len(i) for i in items if isinstance(i, str)), "a block's output")
+        super().extend(items)
+
+
 class _CodeGenerator(jinja2.compiler.CodeGenerator):
-    """``a ~ b`` through :meth:`BoundedEnvironment.concat`, which checks the size first."""
+    """``a ~ b`` through :meth:`BoundedEnvironment.concat`, which checks the size first; block output gathered
+    in a :class:`_Buffer`."""
+
+    def buffer(self, frame: jinja2.compiler.Frame) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.new_buffer()")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:
@@ -118,16 +143,36 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         super().__init__(trim_blocks=True, lstrip_blocks=True,
                          extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         self.max_bytes = max_bytes
+        self._render = threading.local()  # the budget left to the render running on this thread
         self.globals.pop("lipsum", None)  # n paragraphs of filler, n chosen by the template
         self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                             namespace=_Namespace)
         self.filters["tojson"] = _tojson
         self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
 
-    def check(self, num_bytes: int, what: str) -> None:
-        """``TemplateTooLarge`` when ``what`` would be ``num_bytes`` bytes, more than ``max_bytes``."""
+    def begin(self, budget: int) -> None:
+        """Start a render on this thread that may build ``budget`` bytes of values and text in all."""
+        self._render.left = budget
+
+    def check(self, num_bytes: int, what: str, *, charge: bool = True) -> None:
+        """``TemplateTooLarge`` when ``what`` would be ``num_bytes`` bytes, more than ``max_bytes``, or (with
+        ``charge``) more than the render's budget has left."""
         if num_bytes > self.max_bytes:
             raise TemplateTooLarge(f"{what} would be about {num_bytes} bytes")
+        if charge:
+            self.charge(num_bytes, what)
+
+    def charge(self, num_bytes: int, what: str) -> None:
+        """Count ``num_bytes`` against this thread's render budget (:meth:`begin`)."""
+        left = getattr(self._render, "left", None)
+        if left is None:
+            return
+        self._render.left = left - num_bytes
+        if self._render.left < 0:
+            raise TemplateTooLarge(f"{what} passes the render's budget of values built")
+
+    def new_buffer(self) -> _Buffer:
+        return _Buffer(self)
 
     def size(self, value: Any) -> int:
         return measure(value, self.max_bytes)
