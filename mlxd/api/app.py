@@ -16,7 +16,8 @@ from mlxd.api.auth import load_keys, make_guard
 from mlxd.api.errors import EXCEPTION_HANDLERS
 from mlxd.api.metrics import Metrics
 from mlxd.api.openai import OpenAIController
-from mlxd.api.ops import OpsController
+from mlxd.api.ops import OpsController, PromptViewers
+from mlxd.api.origins import make_origin_guard
 from mlxd.api.responses import ResponsesController
 from mlxd.daemon import Daemon
 from mlxd.log import get_logger
@@ -34,6 +35,10 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
         log.info("api_keys", num_keys=len(keys.api), num_admin_keys=len(keys.admin),
                  metrics_need_key=keys.metrics_need_key)
     metrics = Metrics(daemon)
+    viewers = PromptViewers(keys.admin if server.status_shows_prompts else ())
+    if server.status_shows_prompts and not keys.admin:
+        log.warning("status_shows_prompts_without_admin_keys",
+                    detail="[server] status_shows_prompts needs admin_keys_file or MLXD_ADMIN_KEYS; no one sees prompts")
 
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -52,8 +57,10 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
             OpsController,
         ],
         dependencies={"daemon": Provide(lambda: daemon, use_cache=True, sync_to_thread=False),
-                      "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False)},
-        guards=[make_guard(keys)],
+                      "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
+                      "viewers": Provide(lambda: viewers, use_cache=True, sync_to_thread=False)},
+        # Origins first: a request from another web origin is refused before any key or body is looked at.
+        guards=[make_origin_guard(server), make_guard(keys)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=server.max_body_bytes,

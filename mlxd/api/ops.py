@@ -1,8 +1,12 @@
-"""Operational endpoints: /health, /v1/status, the prefix cache, /metrics and the status page at /."""
+"""Operational endpoints: /health, /v1/status, the prefix cache, /metrics and the status page at /.
+
+None of them shows what a request says: ``/v1/status`` lists requests by id, phase, sizes and timings, and shows
+rendered prompts only to a key from the admin keys, and only when ``[server] status_shows_prompts`` is on."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -10,13 +14,27 @@ from litestar import Controller, MediaType, Request, Response, delete, get
 from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from mlxd.api.auth import ADMIN, METRICS, OPEN, is_admin
+from mlxd.api.auth import ADMIN, METRICS, OPEN, is_admin, matches, presented_keys
 from mlxd.api.errors import redact
 from mlxd.api.metrics import Metrics
+from mlxd.api.origins import page_headers
 from mlxd.daemon import Daemon
 from mlxd.runtime.heap import PAUSES
 
 STATUS_PAGE = resources.files("mlxd.api").joinpath("static", "status.html").read_bytes()
+STATUS_PAGE_HEADERS = page_headers(STATUS_PAGE)
+REQUEST_LISTS = ("running", "waiting")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptViewers:
+    """Digests of the keys that may see rendered prompts in ``/v1/status``: the admin keys when
+    ``[server] status_shows_prompts`` is on, else none (with no admin keys, no one)."""
+
+    admin: tuple[bytes, ...] = ()
+
+    def may_see(self, request: Request) -> bool:
+        return bool(self.admin) and matches(presented_keys(request), self.admin)
 
 
 class OpsController(Controller):
@@ -33,15 +51,21 @@ class OpsController(Controller):
         return Response(body, status_code=status, headers=headers)
 
     @get("/v1/status")
-    async def status(self, request: Request, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
+    async def status(self, request: Request, daemon: NamedDependency[Daemon],
+                     viewers: NamedDependency[PromptViewers]) -> dict[str, Any]:
         """Running and waiting requests (phase, tokens, tok/s, TTFT), limits, engine totals and memory. With keys
-        configured, the per-request lists (``running``, ``waiting``) need an admin key; the counts do not."""
+        configured, the per-request lists (``running``, ``waiting``) need an admin key; the counts do not. Rendered
+        prompts only for an admin key with ``[server] status_shows_prompts`` on."""
         daemon.require_loaded()
-        status = daemon.engine.status()
+        prompts = viewers.may_see(request)
+        status = daemon.engine.status(prompts=True) if prompts else daemon.engine.status()
         body = {"model": daemon.name, "num_running": len(status["running"]), "num_waiting": len(status["waiting"]),
                 **status, "gc": PAUSES.status()}
         if not is_admin(request):
             del body["running"], body["waiting"]
+        elif not prompts:  # whatever the engine put there
+            for name in REQUEST_LISTS:
+                body[name] = [{k: v for k, v in entry.items() if k != "prompt"} for entry in body[name]]
         return body
 
     @get("/v1/cache/stats")
@@ -62,6 +86,7 @@ class OpsController(Controller):
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @get("/", opt={"access": OPEN}, media_type=MediaType.HTML, include_in_schema=False)
-    async def status_page(self) -> bytes:
-        """The live status page. Its HTML holds no data: it polls the API with the admin key it asks for."""
-        return STATUS_PAGE
+    async def status_page(self) -> Response[bytes]:
+        """The live status page. Its HTML holds no data: it polls the API with the admin key it asks for. Sent with
+        a content security policy (its own inline script and style only), not to be framed or sniffed."""
+        return Response(STATUS_PAGE, media_type=MediaType.HTML, headers=STATUS_PAGE_HEADERS)

@@ -29,6 +29,13 @@ class ServerConfig(Base):
     admin_keys_file: str = ""
     # /metrics asks for an API key too (it is open by default, for scrapers).
     metrics_need_key: bool = False
+    # /v1/status shows each request's rendered prompt (clipped) to requests carrying a key from admin_keys_file or
+    # MLXD_ADMIN_KEYS. Off, or without such keys, no one sees prompts there.
+    status_shows_prompts: bool = False
+    # Bound to a loopback address, requests whose Host header names neither a loopback name (localhost, 127.0.0.1,
+    # [::1]) nor one of these are refused (403): another web page's script cannot reach the daemon through a name
+    # of its own that resolves here (DNS rebinding). Names without a port; "*" turns the check off.
+    allowed_hosts: list[str] = []
     # Connections (mlxd/runtime/connections.py), before any key is checked: a request line and headers larger than
     # this get 431; a connection that has not sent a request's complete headers this long after it opened (or after
     # its previous response) is closed; a body not complete this long after its headers gets 408.
