@@ -48,6 +48,13 @@ class RequestError(MlxdError):
     type = "invalid_request_error"
 
 
+class UnsupportedMediaType(RequestError):
+    """A body that is not declared JSON (no ``Content-Type``, ``text/plain``, a form): 415. Such a POST is one a web
+    page may send to any origin without asking first (a CORS "simple" request), so it is never read."""
+
+    status = 415
+
+
 class ModelNotFound(RequestError):
     status = 404
     type = "model_not_found"
@@ -66,6 +73,14 @@ class AuthenticationError(MlxdError):
 
 class PermissionDenied(AuthenticationError):
     """A valid API key on an endpoint that needs an admin key (403)."""
+
+    status = 403
+    type = "permission_error"
+
+
+class HostNotAllowed(MlxdError):
+    """A request to a daemon bound to loopback whose ``Host`` is not a loopback name or an allowed one (403): a
+    page of another origin reaching it through a name that resolves here (DNS rebinding)."""
 
     status = 403
     type = "permission_error"

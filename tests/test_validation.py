@@ -160,14 +160,21 @@ def test_malformed_bodies_are_400(served, body, path):
 
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data",
                                           "application/xml", "text/json"])
-def test_wrong_content_type_is_400(served, content_type):
+def test_wrong_content_type_is_415(served, content_type):
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
-    error = assert_error(post_raw(served[0], body, content_type), 400)
+    error = assert_error(post_raw(served[0], body, content_type), 415)
     assert "application/json" in error["message"]
 
 
-@pytest.mark.parametrize("content_type", [None, "application/json; charset=utf-8", "APPLICATION/JSON"])
-def test_json_without_or_with_a_parametrised_content_type_is_served(served, content_type):
+def test_a_body_without_content_type_is_415(served):
+    # A web page may send it to any origin without a CORS preflight (mlxd.api.origins).
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    error = assert_error(post_raw(served[0], body, None), 415)
+    assert "Content-Type: application/json" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "APPLICATION/JSON"])
+def test_json_with_a_parametrised_content_type_is_served(served, content_type):
     body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     response = post_raw(served[0], body, content_type)
     assert response.status_code == 200, response.text

@@ -8,7 +8,7 @@ OpenAPI document keeps the struct's own schema (ranges included):
     async def handler(data: ChatCompletionRequest) -> ...
 
 Every way a body can be wrong (not JSON, not UTF-8, nested too deep, not an object, a wrong type, a value out of
-range, another content type) is a :class:`RequestError`, a 400 naming the field where there is one.
+range) is a :class:`RequestError`, a 400 naming the field where there is one; a body not declared JSON is a 415.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from litestar.dto import AbstractDTO, DTOFieldDefinition
 from litestar.typing import FieldDefinition
 
 from mlxd.api.errors import clip
-from mlxd.errors import RequestError
+from mlxd.errors import RequestError, UnsupportedMediaType
 
 T = TypeVar("T")
 
@@ -38,9 +38,10 @@ def _decoder(type_: type[T]) -> msgspec.json.Decoder[T]:
     return msgspec.json.Decoder(type_, strict=True)
 
 
-def decode(type_: type[T], body: bytes, content_type: str | None = None) -> T:
-    """Decode a JSON body into ``type_`` strictly (no string-to-number coercion), or raise a 400."""
-    _check_media_type(content_type)
+def decode(type_: type[T], body: bytes, content_type: str | None) -> T:
+    """Decode a JSON body into ``type_`` strictly (no string-to-number coercion), or raise a 400 (a 415 when
+    ``content_type`` is not JSON)."""
+    check_media_type(content_type)
     try:
         return _decoder(type_).decode(body)
     except msgspec.ValidationError as e:
@@ -56,10 +57,15 @@ def decode(type_: type[T], body: bytes, content_type: str | None = None) -> T:
         raise RequestError("malformed JSON body") from e
 
 
-def _check_media_type(content_type: str | None) -> None:
+def check_media_type(content_type: str | None) -> None:
+    """A 415 unless ``content_type`` is ``application/json`` or ``*/*+json`` (parameters and case aside). A missing
+    one is refused too: a POST without it, like text/plain and form bodies, is one any web page may send to any
+    origin without a CORS preflight."""
     media_type = (content_type or "").split(";", 1)[0].strip().lower()
-    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
-        raise RequestError(f"the request body must be application/json, not {clip(media_type)!r}")
+    if not media_type:
+        raise UnsupportedMediaType("the request body must be sent with `Content-Type: application/json`")
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise UnsupportedMediaType(f"the request body must be application/json, not {clip(media_type)!r}")
 
 
 def _param_of(message: str) -> str | None:
@@ -123,7 +129,7 @@ class StrictJSON(AbstractDTO[T]):
         return decode(self.model_type, value, self.asgi_connection.headers.get("content-type"))
 
     def decode_builtins(self, value: dict[str, Any]) -> T:
-        raise RequestError("the request body must be application/json")
+        raise UnsupportedMediaType("the request body must be application/json")
 
     @classmethod
     def generate_field_definitions(cls, model_type: type[Any]) -> Generator[DTOFieldDefinition, None, None]:
