@@ -25,7 +25,7 @@ from mlxd.cli import load_everything
 from mlxd.config.schema import VisionConfig
 from mlxd.daemon import Daemon
 from mlxd.errors import Overloaded, RequestError
-from mlxd.media.images import PixelBudget, decode_image
+from mlxd.media.images import PixelBudget, bound_pillow, decode_image
 from mlxd.media.parts import find_image_parts, load_images
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.pipeline import Pipeline
@@ -227,6 +227,14 @@ def test_a_big_jpeg_counts_at_the_scale_it_decodes_at():
     Image.new("RGB", (8000, 6000), (10, 20, 30)).save(out, "JPEG", quality=50)
     decoded = decode_image(out.getvalue(), max_pixels=1 << 20, param="p", budget=PixelBudget(4_000_000))
     assert decoded.width * decoded.height <= 1 << 20
+
+
+def test_pillows_own_bound_is_reported_as_ours(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after the test
+    bound_pillow(10_000_000)
+    with pytest.raises(RequestError, match=r"\(25000000 pixels\); at most 10000000 .*max_decode_pixels") as info:
+        decode_image(_png(5000, 5000), max_pixels=1 << 20, param="p", budget=PixelBudget(10_000_000))
+    assert info.value.param == "p" and "attack" not in info.value.message
 
 
 @pytest.mark.parametrize("data", [b"not an image at all", _png(4, 4)[:40]])

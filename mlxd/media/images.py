@@ -28,6 +28,8 @@ from mlxd.runtime.cancel import check_cancelled
 MAX_DECODE_PIXELS = 6144 * 6144
 # An object's repr, as Pillow's messages quote the file they read ("<_io.BytesIO object at 0x7f...>").
 _REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+# The size in Pillow's DecompressionBombError ("Image size (88360000 pixels) exceeds limit of ...").
+_DECLARED = re.compile(r"\((\d+) pixels\)")
 # Formats a client plausibly sends; the rest of Pillow's plugins (EPS runs Ghostscript) are not offered the data.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
 # What Pillow raises on malformed data, during open, load and EXIF parsing.
@@ -60,9 +62,7 @@ class PixelBudget:
         bound."""
         pixels = width * height
         if pixels > self.max_image_pixels:
-            raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param,
-                                   f"at most {self.max_image_pixels} pixels are decoded per image "
-                                   "([vision] max_decode_pixels)")
+            raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param, _image_bound(self))
         if self.pixels_left is not None:
             if pixels > self.pixels_left:
                 raise _too_many_pixels(f"{width}x{height} = {pixels} pixels", param,
@@ -85,10 +85,13 @@ def decode_image(data: bytes, *, max_pixels: int, param: str, budget: PixelBudge
     image) are a RequestError on ``param``, raised before the pixels are allocated; messages never quote Pillow's
     object reprs."""
     digest = hashlib.sha256(data).hexdigest()
+    budget = budget or PixelBudget()
     try:
-        image = _decode(data, max_pixels, param, budget or PixelBudget())
-    except Image.DecompressionBombError as e:
-        raise _too_many_pixels(_REPR.sub("the image", str(e)), param) from e
+        image = _decode(data, max_pixels, param, budget)
+    except Image.DecompressionBombError as e:  # Pillow's own bound (bound_pillow), met while it reads the header
+        declared = _DECLARED.search(str(e))
+        raise _too_many_pixels(f"{declared[1] if declared else 'more than twice this many'} pixels", param,
+                               _image_bound(budget)) from e
     except Image.UnidentifiedImageError as e:
         raise RequestError(f"image data cannot be decoded: not an image in a supported format "
                            f"({', '.join(_formats())})", param=param) from e
@@ -139,6 +142,10 @@ def _to_rgb(im: Image.Image) -> Image.Image:
 def _formats() -> tuple[str, ...]:
     Image.init()
     return tuple(f for f in FORMATS if f in Image.OPEN)  # AVIF only where this Pillow has it
+
+
+def _image_bound(budget: PixelBudget) -> str:
+    return f"at most {budget.max_image_pixels} pixels are decoded per image ([vision] max_decode_pixels)"
 
 
 def _too_many_pixels(size: str, param: str, bound: str = "") -> RequestError:
