@@ -16,10 +16,16 @@ from mlxd.errors import ConfigError
 
 
 def read_toml(path: Path | Traversable) -> dict[str, Any]:
+    """The TOML file's tables; a file that is missing, unreadable, not UTF-8 or not TOML is a ``ConfigError``
+    naming it."""
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: no such file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); TOML files are UTF-8") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from e
 
@@ -51,7 +57,16 @@ def load_config(path: str | Path) -> DaemonConfig:
     path = Path(path)
     config = convert(read_toml(path), DaemonConfig, str(path))
     check_distributed(config, str(path))
+    check_speculative(config, str(path))
     return config
+
+
+def check_speculative(config: DaemonConfig, source: str) -> None:
+    """The ``[engine.speculative]`` fields bounded by one another."""
+    settings = config.engine.speculative
+    if settings.ngram_min > settings.ngram_max:
+        raise ConfigError(f"{source}: engine.speculative.ngram_min: {settings.ngram_min} is more than ngram_max = "
+                          f"{settings.ngram_max}")
 
 
 def check_distributed(config: DaemonConfig, source: str) -> None:

@@ -11,16 +11,23 @@ class Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     pass
 
 
+# Upper bounds below keep a value from exhausting or crashing the process (and keep out TOML's inf and nan);
+# every one is far above what serving needs. `mlxd check-config` names the file and the field of one outside them.
+DAY_S = 86_400.0
+MAX_TOKENS = 2**24  # a context or output length beyond every model's (16.7M tokens)
+
+
 class ServerConfig(Base):
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 16 * 1024 * 1024
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8080
+    # A body is held whole in memory and decoded into objects several times its size: at most 1 GiB.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1, le=1024**3)] = 16 * 1024 * 1024
     # Seconds of silence after which a streaming response gets an SSE comment, so proxies keep it open.
-    keepalive_s: float = 5.0
+    keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
     cors_origins: list[str] = []
     # On SIGTERM: stop accepting (503 with Retry-After), let running requests finish for this long, then end the
     # rest with a final error event and exit 0. A second signal exits at once.
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=DAY_S)] = 30.0
     # API keys, one per line (blank lines and `#` comments ignored; relative to the config's folder); the
     # MLXD_API_KEYS environment variable adds comma-separated ones. With no keys at all the API is open.
     api_keys_file: str = ""
@@ -59,12 +66,13 @@ class SamplingDefaults(Base):
     """Used when a request leaves a field out. Unset (None) fields are resolved when the model loads: the model's
     own generation_config.json, else mlxd's (mlxd/models/generation_config.py); repetition_penalty 0 is off."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    max_tokens: int = 1024  # mlxd's own: a model's max_new_tokens is a cap, not an answer length
+    # The ranges a request may ask for (mlxd/api/schemas.py), so that a default never fails every request.
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 1024  # mlxd's own: a model's max_new_tokens is a cap, not an answer length
 
 
 class ModelConfig(Base):
@@ -82,7 +90,7 @@ class ModelConfig(Base):
     template_max_bytes: Annotated[int, msgspec.Meta(ge=1024**2, le=4 * 1024**3)] = 64 * 1024**2
     # Prompt + completion tokens a request may use. 0: the trained length from the model's config.json
     # (max_position_embeddings). Above the trained length is allowed (for RoPE-scaled use) but logged as a warning.
-    context_length: Annotated[int, msgspec.Meta(ge=0)] = 0
+    context_length: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
     # "auto": float32 on Linux CPU (fast with OpenBLAS), the model's own dtype elsewhere.
     dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = "auto"
     # CUDA: products of 2-16 rows (batched decode steps) through mlxd's own kernel instead of cuBLASLt, whose host
@@ -108,7 +116,7 @@ class SpeculativeConfig(Base):
     adaptive: bool = True
     min_acceptance: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     # Positions one step may verify (rows x (1 + drafts)); drafts shorten to fit, down to none when the batch is full.
-    max_step_tokens: Annotated[int, msgspec.Meta(ge=2)] = 64
+    max_step_tokens: Annotated[int, msgspec.Meta(ge=2, le=4096)] = 64
     # Requests speculate unless their body says `"speculative": false`; false: only those that say true.
     default: bool = True
     # prompt_lookup: the longest and shortest n-gram matched against the earlier tokens.
@@ -122,46 +130,49 @@ class EngineConfig(Base):
     type: Literal["batched"] = "batched"
     # Requests decoding together in one batch; more wait in the queue. 0: derived at start-up from the memory
     # budget (rows of 4096 tokens that fit beside the weights and the prefix cache, a power of two up to 64), and
-    # logged as `max_running` with its source and inputs.
-    max_running: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # logged as `max_running` with its source and inputs. At most 1024: warm-up builds every batch size up to it.
+    max_running: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     # Requests allowed to wait for a running slot; beyond this new requests get 429 with Retry-After.
-    max_waiting: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_waiting: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
     # The most choices one request may ask for (`n`); each is a request of its own in the batch.
-    max_n: Annotated[int, msgspec.Meta(ge=1)] = 8
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 8
     # Tokens one engine step processes: one per decoding request, the rest for prompt chunks (at least one
     # chunk a step). Smaller keeps running streams smoother while long prompts arrive.
-    step_token_budget: Annotated[int, msgspec.Meta(ge=1)] = 512
+    step_token_budget: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 512
     # A request that finds the engine idle waits until no other request has arrived for this long (at most ten
     # times it), so that requests sent together start in one prompt pass; 0 starts each at once.
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0
     # Prompt tokens per forward pass (the prefill stage's chunks, and the chunk warm-up compiles for); smaller
-    # chunks let running streams interleave sooner. The only place this is set.
-    prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 512
+    # chunks let running streams interleave sooner. The only place this is set. At most 8,192 (mlx-lm's own default
+    # is 2,048): where attention is not fused (MLX's CPU backend) a pass holds heads x chunk x (chunk + cached)
+    # float32 scores, measured 1.13 GiB for a 4-head model at 8,192, so 8 GiB for 32 heads; warm-up runs a whole
+    # chunk before the server is ready (1,000,000 asked for terabytes and crashed the process).
+    prefill_chunk: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
     # Rotating KV cache size (tokens); 0 keeps the whole context.
-    max_kv_size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_kv_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
     # Decode steps per batch size during warm-up, before /health turns ready.
-    warmup_tokens: Annotated[int, msgspec.Meta(ge=1)] = 4
+    warmup_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
-    prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 2 * 1024**3
+    prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 2 * 1024**3
     # A cached state covering fewer prompt tokens than this is not reused: it saves less than it costs, since a
     # prompt that starts from a cached state runs in a pass of its own kind (with the rests of other such prompts),
     # not in one pass with the whole prompts arriving with it (a chat template's first tokens, or a short system
     # prompt, are shared by many requests).
-    prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1)] = 32
+    prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 32
     # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
     # re-sent in a later turn costs no vision-tower run; 0 turns it off.
-    vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 512 * 1024**2
+    vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 512 * 1024**2
     # Vision-language models: encode images on a thread of their own while the engine steps (the requests waiting
     # for them are admitted once their features are in), instead of inside the step that starts their prompts.
     # Text requests then never wait for other requests' images, for 11-17% of a mixed workload's throughput on the
     # CPU and 2-6% on an H100 (docs/benchmarks/vision.md). Needs the feature cache; not in a distributed group.
     vision_encoder_thread: bool = False
     # A request that waits in the queue longer than this gets 503 instead of waiting forever (0: no limit).
-    max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0, le=DAY_S)] = 300.0
     # Memory admission: the KV cache a request can grow to (prompt + max_tokens) is counted against this, less the
     # weights and the prefix cache (which gives way first). 0: the device's recommended working set on Metal/CUDA,
     # a share of RAM on the CPU.
-    memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] = 0
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 
@@ -172,17 +183,17 @@ class VisionConfig(Base):
     # loopback, private, link-local or cloud-metadata address), redirects included.
     allow_remote: bool = False
     # Seconds for a whole remote fetch: name resolution, connecting, redirects and the body (no "0: no limit").
-    remote_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 10.0
     # Encoded bytes per image, for data: URIs, remote and local files alike.
-    max_image_bytes: Annotated[int, msgspec.Meta(ge=0)] = 20 * 1024**2
+    max_image_bytes: Annotated[int, msgspec.Meta(ge=0, le=1024**3)] = 20 * 1024**2
     # file:// URLs and absolute paths are refused unless they lie under this folder (symlinks and `..`
     # resolved; relative to the config's folder). Empty: no local files.
     local_dir: str = ""
     # Images per request; 0 refuses all images.
-    max_images: Annotated[int, msgspec.Meta(ge=0)] = 8
+    max_images: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
     # Pixels per image: a larger image is downscaled to at most this many, aspect ratio kept (never refused for
     # being merely large). The default is above the own limits of common VLM processors (Qwen2-VL: 12.8M).
-    max_pixels: Annotated[int, msgspec.Meta(ge=1)] = 4096 * 4096
+    max_pixels: Annotated[int, msgspec.Meta(ge=1, le=1024**3 // 12)] = 4096 * 4096
     # Pixels decoded for one image (a JPEG counts at the reduced scale it decodes at): an image declaring more in
     # its header is refused (400 naming its part) before any pixel is decoded.
     max_decode_pixels: Annotated[int, msgspec.Meta(ge=1, le=1024**3 // 12)] = 6144 * 6144
@@ -216,12 +227,12 @@ class DistributedConfig(Base):
     # ring: the first TCP port (mlx.launch --starting-port, one more per rank); 0: mlx.launch's default (32323).
     starting_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     # Ranks sharing each layer: the group's size, checked at start-up.
-    tensor_parallel: Annotated[int, msgspec.Meta(ge=1)] = 2
+    tensor_parallel: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 2
     # Rank 0's watchdog: a step (a collective with a peer that died can block forever) that runs longer than
     # this ends every request with an error and the process, non-zero.
-    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 60.0
     # While idle, rank 0 pings the group this often, so that a lost rank is noticed without traffic.
-    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
 
 
 class PipelineSpec(Base):
