@@ -72,7 +72,8 @@ class SamplingDefaults(Base):
     top_k: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(ge=0, le=10)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 1024  # mlxd's own: a model's max_new_tokens is a cap, not an answer length
+    # mlxd's own: a model's max_new_tokens is a cap, not an answer length.
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 1024
 
 
 class ModelConfig(Base):
