@@ -5,8 +5,13 @@ from __future__ import annotations
 import random
 import time
 
+import msgspec
 import pytest
 
+from mlxd.api import anthropic_jobs, jobs
+from mlxd.api.anthropic_schemas import MessagesRequest
+from mlxd.api.schemas import ChatCompletionRequest
+from mlxd.config.schema import SamplingDefaults
 from mlxd.errors import RequestError
 from mlxd.pipeline.stages.detokenize import StopCutter
 from mlxd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, check_stops
@@ -95,3 +100,17 @@ def test_check_stops_bounds_count_and_length():
     with pytest.raises(RequestError) as e:
         check_stops(["a", "x" * (MAX_STOP_CHARS + 1)], "stop")
     assert e.value.param == "stop" and "stop sequence 1" in e.value.message
+
+
+@pytest.mark.parametrize("stops", [["x" * (MAX_STOP_CHARS + 1)], [str(i) for i in range(MAX_STOPS + 1)]])
+def test_both_surfaces_refuse_stops_beyond_the_bounds_naming_the_field(stops):
+    openai = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": stops},
+                             ChatCompletionRequest)
+    with pytest.raises(RequestError) as caught:
+        jobs.chat_job(openai, "m", SamplingDefaults())
+    assert caught.value.param == "stop"
+    anthropic = msgspec.convert({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                 "stop_sequences": stops}, MessagesRequest)
+    with pytest.raises(RequestError) as caught:
+        anthropic_jobs.messages_job(anthropic, "m", SamplingDefaults())
+    assert caught.value.param == "stop_sequences"
