@@ -193,8 +193,8 @@ class DecodeBatch:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         try:
             self.inputs = self.share(sample(self.rows, logprobs))
-            capture_logprobs(self.rows, raw, self.inputs)
-            mx.async_eval(self.inputs, *(row.pending_logprobs for row in self.rows if row.pending_logprobs))
+            captured = capture_logprobs(self.rows, raw, self.inputs)
+            mx.async_eval(self.inputs, *(captured.arrays if captured is not None else ()))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self.share(self._sample_each(logprobs))
             capture_logprobs(self.rows, raw, self.inputs)
@@ -247,16 +247,27 @@ class DecodeBatch:
         return mx.concatenate(tokens)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
-        if not any(row.processors for row in self.rows):
+        """The rows' logits after their processors: only the rows that have processors are sliced out and
+        written back (one scatter), so rows without any cost nothing. ``logits`` itself is left as it is."""
+        indices = [i for i, row in enumerate(self.rows) if row.processors]
+        if not indices:
             return logits
-        rows = []
-        for i, row in enumerate(self.rows):
+        processed = []
+        for i in indices:
+            row = self.rows[i]
             try:
-                rows.append(row.process(inputs[i : i + 1], logits[i : i + 1]))
+                processed.append(row.process(inputs[i : i + 1], logits[i : i + 1]))
             except Exception as e:  # noqa: BLE001 - recorded in self.errors; the engine ends this row
                 self.errors[row.request_id] = e
-                rows.append(logits[i : i + 1])
-        return mx.concatenate(rows, axis=0)
+                processed.append(logits[i : i + 1])
+        joined = mx.concatenate(processed, axis=0)
+        if len(indices) == len(self.rows):
+            return joined
+        # A new array (the raw logits stay unprocessed for the log-probabilities), of the dtype joining every row
+        # would give.
+        out = logits.astype(mx.result_type(logits, joined))
+        out[mx.array(indices)] = joined
+        return out
 
 
 def _release_drafts(rows: list[Row]) -> None:

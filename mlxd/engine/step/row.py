@@ -36,7 +36,7 @@ class Row:
     # Log-probabilities: None when not asked for, else how many top alternatives to report (0: the chosen only).
     num_logprobs: int | None = None
     # Those of the token sampled last (lazy arrays, see :func:`capture_logprobs`), until the step that feeds it in.
-    pending_logprobs: tuple[mx.array, mx.array, mx.array] | None = None
+    pending_logprobs: tuple[Any, int, int] | None = None  # mlxd.engine.step.logprobs.Pending
     # A speculative row's drafter, draft length, back-off and counters (mlxd.engine.speculative.state); None: plain.
     spec: SpecState | None = None
     # For drafters that read the model's hidden states (MTP heads): those of the positions kept since the last draft.
