@@ -243,9 +243,14 @@ def test_a_library_that_does_not_load_is_skipped_with_a_warning(tmp_path: Path) 
         ({"LD_PRELOAD": "PRELOADED"}, "already preloaded"),
     ],
 )
-def test_reexec_guard(tmp_path: Path, env: dict[str, str], reason: str) -> None:
+def test_reexec_guard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], reason: str) -> None:
     lib = _openblas()
-    env = {k: v.replace("PRELOADED", str(lib)) for k, v in env.items()}
+    if env.get("LD_PRELOAD") == "PRELOADED":
+        # Preloaded the way mlxd preloads it (the pip wheel's library needs the gfortran that comes with it): a bare
+        # LD_PRELOAD of the pip library alone leaves libgfortran.so.5 unresolved and Python cannot start.
+        monkeypatch.setenv("MLXD_CACHE_DIR", str(tmp_path / "cache"))
+        preload = preload_environment(lib, {})
+        env = {key: preload[key] for key in ("LD_PRELOAD", "LD_LIBRARY_PATH") if key in preload}
     lines = _probe(tmp_path, **env)
     assert len(lines) == 2 and lines[0].startswith("start") and lines[1].startswith("continue"), reason
     assert lines[1] == f"continue ['--flag', 'x y'] {env.get('LD_PRELOAD', '')}", reason
