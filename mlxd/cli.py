@@ -170,6 +170,25 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def openblas_env() -> int:
+    """Print the ``export`` lines that preload the OpenBLAS mlxd would pick (with what it needs: the pip wheel's
+    library needs the ``mlx-cpu`` wheel's gfortran), for a process mlxd does not start; mlxd preloads it itself."""
+    import shlex
+
+    from mlxd.runtime.blas import THREAD_TIMEOUT, find_openblas, preload_environment
+
+    lib = find_openblas()
+    if lib is None:
+        print("mlxd: no OpenBLAS found (pip install cmeel-openblas, or apt-get install libopenblas0-pthread)",
+              file=sys.stderr)
+        return 1
+    env = preload_environment(lib, os.environ)
+    for key in ("LD_PRELOAD", "LD_LIBRARY_PATH", THREAD_TIMEOUT):
+        if env.get(key) != os.environ.get(key):
+            print(f"export {key}={shlex.quote(env[key])}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -179,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             from mlxd.launch import main as launch_main
 
             return launch_main(argv[1:])
+        if argv and argv[0] == "openblas-env":
+            return openblas_env()
         if argv and argv[0] == "service":
             from mlxd.service import main as service_main
 
