@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import pytest
 from litestar.testing import TestClient
 
@@ -17,7 +18,7 @@ from mlxd.api.app import create_app
 from mlxd.api.origins import host_name, is_loopback
 from mlxd.cli import load_everything
 from mlxd.daemon import Daemon
-from tests.helpers import write_config
+from tests.helpers import free_port, serve_subprocess, write_config
 
 CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
 MESSAGES = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
@@ -116,3 +117,20 @@ def test_host_names():
         "localhost", "::1", "::1", "a.b", "::1"]
     assert all(map(is_loopback, ["localhost", "127.0.0.1", "127.255.0.9", "::1", "[::1]"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "localhost.example", "example.com"]))
+
+
+def test_a_real_server_on_loopback_checks_host_and_content_type(tiny_model_dir, tmp_path):
+    """uvicorn tells the app which address a connection reached: the checks hold on a real socket too."""
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port)
+    with serve_subprocess(config, port) as (base, _):
+        assert httpx.get(base + "/health", headers={"host": f"localhost:{port}"}, timeout=10).status_code == 200
+        refused = httpx.get(base + "/v1/models", headers={"host": f"rebind.attacker.example:{port}"}, timeout=10)
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+            simple = httpx.post(base + "/v1/chat/completions", content=CHAT, headers={"content-type": content_type},
+                                timeout=10)
+            assert simple.status_code == 415, simple.text
+        served = httpx.post(base + "/v1/chat/completions", content=CHAT, headers={"content-type": "application/json"},
+                            timeout=60)
+        assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"]
