@@ -21,13 +21,14 @@ from mlxd.models.default_model import embedded_generation
 
 log = get_logger("mlxd.models")
 
-# generation_config.json keys read (the [model.sampling] fields of the same names) and the values each may take.
+# generation_config.json keys read (the [model.sampling] fields of the same names) and the values each may take:
+# the ranges a request may ask for, as for [model.sampling] (mlxd/config/schema.py).
 ALLOWED = {
-    "temperature": lambda v: 0 <= v,
+    "temperature": lambda v: 0 <= v <= 2,
     "top_p": lambda v: 0 < v <= 1,
     "top_k": lambda v: v >= 0 and float(v).is_integer(),
     "min_p": lambda v: 0 <= v <= 1,
-    "repetition_penalty": lambda v: v > 0,
+    "repetition_penalty": lambda v: 0 < v <= 10,
 }
 GENERATION_FILE = "generation_config.json"
 
