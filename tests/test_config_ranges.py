@@ -102,3 +102,12 @@ def test_a_config_that_is_a_folder_names_it(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_everything(tmp_path)
     assert info.value.message.startswith(f"{tmp_path}: cannot read")
+
+
+def test_a_flag_out_of_range_is_refused_naming_the_setting(tmp_path, tiny_model_dir):
+    path = tmp_path / "ok.toml"
+    path.write_text(f'[model]\nsource = "{tiny_model_dir}"\n')
+    result = subprocess.run([sys.executable, "-m", "mlxd", "check-config", str(path), "--port", "70000"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "server.port" in result.stderr and "65535" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -14,6 +14,7 @@ import msgspec
 
 from mlxd.config.sampling import resolve_sampling
 from mlxd.config.schema import DaemonConfig
+from mlxd.errors import ConfigError
 
 MAX_VALUE_CHARS = 72
 
@@ -62,16 +63,21 @@ def _walk(struct: msgspec.Struct, raw: Mapping[str, Any], flags: Mapping[str, An
 
 
 def apply_flags(struct: msgspec.Struct, flags: Mapping[str, Any]) -> Any:
-    """A copy of ``struct`` with each dotted name in ``flags`` (``server.port``) set to its value."""
+    """A copy of ``struct`` with each dotted name in ``flags`` (``server.port``) set to its value, checked as the
+    config file's would be: a value out of range is a ``ConfigError`` naming the setting."""
     for key, value in flags.items():
-        struct = _replace(struct, key.split("."), value)
+        struct = _replace(struct, key.split("."), value, key)
     return struct
 
 
-def _replace(struct: msgspec.Struct, path: list[str], value: Any) -> Any:
+def _replace(struct: msgspec.Struct, path: list[str], value: Any, key: str) -> Any:
     head, *rest = path
-    new = _replace(getattr(struct, head), rest, value) if rest else value
-    return msgspec.structs.replace(struct, **{head: new})
+    if rest:
+        return msgspec.structs.replace(struct, **{head: _replace(getattr(struct, head), rest, value, key)})
+    try:
+        return msgspec.convert({**msgspec.to_builtins(struct), head: value}, type(struct), strict=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"flag for {key}: {str(e).split(' - at ')[0]}") from e
 
 
 def format_value(value: Any) -> str:
