@@ -88,7 +88,9 @@ def test_cost_does_not_grow_with_the_text_or_the_stops():
             assert stop is None
         times.append(time.perf_counter() - start)
     assert sum(times) < 5.0, times
-    assert max(times[10:]) < 4 * max(min(times[:10]), 0.005), times
+    # Medians, so that a scheduling hiccup on a busy machine does not decide; a quadratic cutter's later thousands
+    # cost many times its first ones.
+    assert sorted(times[10:])[5] < 4 * max(sorted(times[:10])[5], 0.005), times
 
 
 def test_check_stops_bounds_count_and_length():
