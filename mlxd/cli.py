@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlxd import __version__
-from mlxd.errors import ConfigError, MlxdError
+from mlxd.errors import ConfigError, MlxdError, ModelLoadError
 
 DESCRIPTION = """\
 mlxd serves an MLX language model over OpenAI-compatible HTTP endpoints, as a pipeline of stages
@@ -81,6 +81,16 @@ def load_everything(path: Path):
     return config, build_pipeline(tables, source)
 
 
+def check_model_source(config, path: Path) -> Path:
+    """``[model] source`` checked (nothing loaded or downloaded); a ``ModelLoadError`` names the file and field."""
+    from mlxd.models.load import check_source
+
+    try:
+        return check_source(config.model.source, path.resolve().parent)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: [model] source: {e.message}", param="model.source") from e
+
+
 def check_config(argv: list[str]) -> int:
     args = check_parser().parse_args(argv)
     from mlxd.runtime.descriptors import check_mlx_lm_can_load
@@ -88,9 +98,7 @@ def check_config(argv: list[str]) -> int:
     check_mlx_lm_can_load()
     config, pipeline = load_everything(args.config)
     model = config.model
-    from mlxd.models.load import check_source
-
-    folder = check_source(model.source, args.config.resolve().parent)
+    folder = check_model_source(config, args.config)
     from mlxd.api.auth import load_keys
 
     keys = load_keys(config.server, args.config.resolve().parent)  # a missing keys file fails here, not at start
@@ -130,10 +138,9 @@ def serve(argv: list[str]) -> NoReturn:
     from mlxd.config.effective import apply_flags
     from mlxd.daemon import Daemon
     from mlxd.log import configure_logging, get_logger
-    from mlxd.models.load import check_source
     from mlxd.server import run_server
 
-    check_source(config.model.source, args.config.resolve().parent)  # a missing model fails before the port
+    check_model_source(config, args.config)  # a missing model fails before the port
 
     config = apply_flags(config, serve_flags(args))
     server = config.server

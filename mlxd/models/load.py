@@ -80,7 +80,12 @@ def check_source(source: str, base_dir: Path | None = None) -> Path:
             f"model source {source!r} looks like a hub id, but mlxd does not download models: "
             "download the model folder yourself and give its local path as [model] source"
         )
-    raise ModelLoadError(f"model source {source!r} not found (give an MLX folder, a .gguf file or embedded:NAME)")
+    raise ModelLoadError(
+        f"{source!r} not found: {path} does not exist. mlxd never downloads models: put an MLX model folder there "
+        "first (one downloaded beforehand, e.g. `huggingface-cli download mlx-community/<model> --local-dir "
+        f"{path}`, or made with `mlx_lm.convert` / `mlx_vlm.convert`), or give a .gguf file or "
+        f"{EMBEDDED_MODELS[0]}"
+    )
 
 
 def detect_kind(folder: Path, requested: str) -> str:
