@@ -73,7 +73,7 @@ class Daemon:
         self.freeze_heap = freeze_heap
         server = config.server
         self.preparation = Preparation(server.prepare_workers or min(4, os.cpu_count() or 1))
-        self.max_preparing = server.max_preparing or config.engine.max_waiting
+        self.max_preparing = server.max_preparing  # 0: as many as the engine's queue holds (see prepare)
         # Bytes of rendered text that prove a prompt cannot fit the context (mlxd.api.validate); set once loaded.
         self.max_prompt_bytes = 0
 
@@ -205,10 +205,13 @@ class Daemon:
         engine, preparation = self.engine, self.preparation
         num_preparing = preparation.num_preparing
         num_engine = engine.num_active if engine is not None else 0
-        capacity = self.config.engine.max_running + self.config.engine.max_waiting
-        if num_preparing >= self.max_preparing or num_preparing + num_engine >= capacity:
+        # max_running as the engine resolved it (0 in the config: derived from the memory budget at warm-up).
+        max_running = engine.max_running if engine is not None else self.config.engine.max_running
+        capacity = max(max_running, 1) + self.config.engine.max_waiting
+        max_preparing = self.max_preparing or capacity
+        if num_preparing >= max_preparing or num_preparing + num_engine >= capacity:
             retry_after = max(engine.retry_after_s() if engine is not None else 1.0, preparation.estimate_s())
-            raise Overloaded(f"{num_preparing} requests are being prepared (at most {self.max_preparing}) and "
+            raise Overloaded(f"{num_preparing} requests are being prepared (at most {max_preparing}) and "
                              f"{num_engine} are in the engine (at most {capacity} in all); retry shortly",
                              retry_after=retry_after)
         args = (job,) if until is None else (job, until)  # a plain prepare(job) for whoever wraps the pipeline

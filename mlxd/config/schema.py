@@ -56,7 +56,7 @@ class ServerConfig(Base):
     # 0: min(4, CPU count).
     prepare_workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     # Requests waiting for or in preparation; one more gets 429 with Retry-After. They also count against the
-    # engine's queue ([engine] max_running + max_waiting). 0: [engine] max_waiting.
+    # engine's queue ([engine] max_running + max_waiting). 0: that sum.
     max_preparing: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # Messages (Responses: input items) one request may carry; more is a 400 before any work on it.
     max_messages: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
