@@ -9,11 +9,15 @@ In one process, on one model, for each batch size B:
   like ``generate_step`` (the next step is built while the device runs this one). Per step: the host's time to
   build it (Python building the graph, then MLX dispatching it), the time spent waiting for the device, and the
   total;
+* **host**: mlxd's decode batch alone, its stepping thread's CPU time per step (Python, and MLX building and
+  dispatching graphs) with greedy rows, rows asking for log-probabilities, and rows with penalties (logits
+  processors): what grows with the rows on the host, apart from the device's work;
 * **BatchGenerator**: mlx-lm's batched generator (its decode rate, all rows in one batch);
 * **mlxd engine**: the engine, in process (no HTTP), B concurrent requests; its aggregate decode rate and its own
   per-step breakdown (``/v1/status`` ``step_ms``: schedule, prefill, decode build, decode wait, post-process).
 
     python benchmarks/step_breakdown.py --tiny qwen3                       # CPU smoke run
+    python benchmarks/step_breakdown.py --tiny qwen3 --parts host --streams 1,8,16,32,64 --max-tokens 32 --rounds 3
     python benchmarks/step_breakdown.py --model ../models/qwen3-8b --out docs/benchmarks/x.md
 """
 
@@ -96,20 +100,49 @@ def batch_alone(model, prompts: list[list[int]], steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1000
 
 
-def joined_batch(model, prompts: list[list[int]]):
-    """mlxd's decode batch with one greedy row per prompt, joined through one prompt pass as the engine joins them."""
+def joined_batch(model, prompts: list[list[int]], sampling=None, num_logprobs: int | None = None):
+    """mlxd's decode batch with one row per prompt (greedy, unless ``sampling`` says otherwise), joined through one
+    prompt pass as the engine joins them."""
     from mlxd.engine.base import SamplingParams
     from mlxd.engine.step.batch import DecodeBatch
     from mlxd.engine.step.prompts import process_prompt, process_prompts
     from mlxd.engine.step.row import Row
 
-    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
+    rows = [Row.for_request(f"r{i}", sampling or SamplingParams(), model, 0, num_logprobs=num_logprobs)
+            for i in range(len(prompts))]
     batch = DecodeBatch(model)
     if len(rows) == 1:
         batch.add(rows[0], process_prompt(model, rows[0], prompts[0], last=True))
     else:
         batch.add_batch(rows, *process_prompts(model, rows, prompts))
     return batch
+
+
+# Rows of each kind the host part steps: greedy; greedy with 5 log-probability alternatives; greedy with a logit bias
+# and a repetition penalty (mlx-lm's logits processors, one pair per row).
+HOST_KINDS = {"greedy": {}, "logprobs": {"num_logprobs": 5},
+              "penalties": {"sampling": {"repetition_penalty": 1.1, "logit_bias": {5: -1.0}}}}
+
+
+def host_ms(model, prompts: list[list[int]], steps: int, kind: str) -> tuple[float, float]:
+    """``(host ms, wall ms)`` per step of mlxd's decode batch with rows of ``kind`` (:data:`HOST_KINDS`). Host: the
+    stepping thread's own CPU time (Python, and MLX building and dispatching the graphs; MLX's CPU backend computes
+    on a stream thread of its own, so on the CPU this leaves the model's arithmetic out)."""
+    import mlx.core as mx
+
+    from mlxd.engine.base import SamplingParams
+
+    options = dict(HOST_KINDS[kind])
+    if "sampling" in options:
+        options["sampling"] = SamplingParams(**options["sampling"])
+    batch = joined_batch(model, prompts, **options)
+    batch.step()
+    batch.step()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        batch.step()
+    mx.eval(batch.inputs)
+    return (time.thread_time() - cpu) / steps * 1000, (time.perf_counter() - wall) / steps * 1000
 
 
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:
@@ -184,7 +217,7 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="also run the engine with this sys.setswitchinterval (seconds)")
     parser.add_argument("--parts", default="matmul,floor,batch,generator,engine",
-                        help="comma list of what to measure: matmul, floor, batch, generator, engine")
+                        help="comma list of what to measure: matmul, floor, batch, host, generator, engine")
     parser.add_argument("--kernel-ab", action="store_true",
                         help="CUDA: run every part with mlxd's small-batch kernel and with MLX's matmul, in turn")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
@@ -235,6 +268,10 @@ def main() -> None:
                     ms = batch_alone(model, prompts[:n], args.max_tokens)
                     keep(("mlxd DecodeBatch alone" + mode, n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s",
                          higher=False)
+                for kind in HOST_KINDS if "host" in parts else ():
+                    host, wall = host_ms(model, prompts[:n], args.max_tokens, kind)
+                    keep((f"host CPU a DecodeBatch step, {kind} rows" + mode, n), host,
+                         f"host {host:.2f} ms a step, {host * 1000 / n:.0f} µs a row (wall {wall:.2f} ms)", higher=False)
                 if "generator" in parts:
                     result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
                     keep(("BatchGenerator" + mode, n), result.tokens_per_s, f"{result.tokens_per_s:.0f} tok/s")
