@@ -71,6 +71,7 @@ class Daemon:
         self.load_s: float | None = None
         self._drain_deadline: float | None = None
         self.freeze_heap = freeze_heap
+        self._failing = threading.Lock()
         server = config.server
         self.preparation = Preparation(server.prepare_workers or min(4, os.cpu_count() or 1))
         self.max_preparing = server.max_preparing  # 0: as many as the engine's queue holds (see prepare)
@@ -105,8 +106,12 @@ class Daemon:
         self._fatal(message)
 
     def _engine_failed(self, reason: str) -> None:
-        """Called on the engine thread when it ends for good: health turns 503, the process should exit."""
-        self.state, self.error = "failed", f"the engine stopped: {reason}"
+        """Called on the engine thread when it ends for good: health turns 503, the process should exit. Once:
+        whichever comes first, this or a request thread noticing the engine's recorded failure, tells ``on_fatal``."""
+        with self._failing:
+            if self.state == "failed" and self.error and self.error.startswith("the engine stopped"):
+                return
+            self.state, self.error = "failed", f"the engine stopped: {reason}"
         self._fatal(self.error)
 
     def _fatal(self, reason: str) -> None:
@@ -276,7 +281,7 @@ class Daemon:
         that saw its request fail may ask ``/health`` before ``on_failure`` has run, and must hear the same."""
         failure = getattr(self.engine, "failure", None) if self.state == "ready" else None
         if failure is not None:
-            self.state, self.error = "failed", f"the engine stopped: {failure}"
+            self._engine_failed(failure)
 
     def _restart_s(self) -> float:
         """How long a restarted daemon takes to serve again: this one's load time, when known."""
