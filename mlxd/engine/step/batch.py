@@ -52,6 +52,8 @@ class DecodeBatch:
         # ragged speculative steps have added since the batched cache was last compacted.
         self.speculative = False
         self.wants_hidden = False
+        self._processing: list[int] = []
+        self._capturing = False
         self._ragged = 0
         # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
         self.waited_s = 0.0
@@ -99,6 +101,9 @@ class DecodeBatch:
         self._positions = None
         self.speculative = any(row.spec is not None for row in self.rows)
         self.wants_hidden = any(row.wants_hidden for row in self.rows)
+        # What every plain step asks of the rows, found once per change of rows rather than once per step.
+        self._processing = [i for i, row in enumerate(self.rows) if row.processors]
+        self._capturing = any(row.num_logprobs is not None for row in self.rows)
 
     def keep_hidden(self, hidden: mx.array, kept: list[int] | None = None) -> None:
         """Hand each row that drafts from hidden states its own, ``(B, L, H)``: the first ``kept[i]`` positions of
@@ -193,7 +198,7 @@ class DecodeBatch:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         try:
             self.inputs = self.share(sample(self.rows, logprobs))
-            captured = capture_logprobs(self.rows, raw, self.inputs)
+            captured = capture_logprobs(self.rows, raw, self.inputs) if self._capturing else None
             mx.async_eval(self.inputs, *(captured.arrays if captured is not None else ()))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self.share(self._sample_each(logprobs))
@@ -249,7 +254,7 @@ class DecodeBatch:
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """The rows' logits after their processors: only the rows that have processors are sliced out and
         written back (one scatter), so rows without any cost nothing. ``logits`` itself is left as it is."""
-        indices = [i for i, row in enumerate(self.rows) if row.processors]
+        indices = self._processing
         if not indices:
             return logits
         processed = []
