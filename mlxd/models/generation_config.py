@@ -26,7 +26,7 @@ log = get_logger("mlxd.models")
 ALLOWED = {
     "temperature": lambda v: 0 <= v <= 2,
     "top_p": lambda v: 0 < v <= 1,
-    "top_k": lambda v: v >= 0 and float(v).is_integer(),
+    "top_k": lambda v: 0 <= v <= 2**31 - 1 and float(v).is_integer(),
     "min_p": lambda v: 0 <= v <= 1,
     "repetition_penalty": lambda v: 0 < v <= 10,
 }
