@@ -65,3 +65,12 @@ def test_the_readme_plugin_stage_redacts_served_text(tmp_path, tiny_model_dir, m
     config = write_config(tmp_path, tiny_model_dir, words)
     assert answer(config, stream=False) == expected != plain
     assert answer(config, stream=True) == expected
+
+
+def test_ci_prepares_its_machine_with_the_readme_s_block_only():
+    """`.ci/run` installs nothing of its own: what a user following the README lacks, CI lacks too."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "apt-get" not in ci and "pip install" not in ci
+    assert "readme_block prepare-command" in ci and "readme_block test-command" in ci
+    block = readme_block("sh", "apt-get install")
+    assert f"<!-- prepare-command -->\n```sh\n{block}```" in README
