@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlxd.engine.speculative.step import SpeculativeStep
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
+from mlxd.engine.step.penalties import CONTEXT, apply_penalties
 from mlxd.engine.step.prompts import same, sample
 from mlxd.engine.step.row import Row, reset_random_state
 from mlxd.engine.step.stepcosts import StepCosts
@@ -253,27 +254,51 @@ class DecodeBatch:
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """The rows' logits after their processors: only the rows that have processors are sliced out and
-        written back (one scatter), so rows without any cost nothing. ``logits`` itself is left as it is."""
-        indices = self._processing
-        if not indices:
+        written back (one scatter), so rows without any cost nothing; rows sharing penalty settings are processed
+        together (:mod:`mlxd.engine.step.penalties`). ``logits`` itself is left as it is."""
+        if not self._processing:
             return logits
-        processed = []
-        for i in indices:
+        groups, alone = self._penalty_groups()
+        order, parts = [], []
+        for key, members in groups.items():
+            windows = []
+            for i in members:
+                row = self.rows[i]
+                row.history = mx.concatenate([row.history, inputs[i : i + 1]])
+                windows.append(row.history[-CONTEXT:])
+            order += members
+            parts.append(apply_penalties(key, mx.stack(windows), logits[mx.array(members)]))
+        for i in alone:
             row = self.rows[i]
             try:
-                processed.append(row.process(inputs[i : i + 1], logits[i : i + 1]))
+                parts.append(row.process(inputs[i : i + 1], logits[i : i + 1]))
             except Exception as e:  # noqa: BLE001 - recorded in self.errors; the engine ends this row
                 self.errors[row.request_id] = e
-                processed.append(logits[i : i + 1])
-        joined = mx.concatenate(processed, axis=0)
-        if len(indices) == len(self.rows):
+                parts.append(logits[i : i + 1])
+            order.append(i)
+        joined = mx.concatenate(parts, axis=0)
+        if order == list(range(len(self.rows))):
             return joined
         # A new array (the raw logits stay unprocessed for the log-probabilities), of the dtype joining every row
         # would give.
         out = logits.astype(mx.result_type(logits, joined))
-        out[mx.array(indices)] = joined
+        out[mx.array(order)] = joined
         return out
 
+    def _penalty_groups(self) -> tuple[dict[tuple, list[int]], list[int]]:
+        """The rows with processors: groups of two or more sharing penalty settings with a full window of history
+        (after this step's token), and the rest, which run their own processors."""
+        groups: dict[tuple, list[int]] = {}
+        alone = []
+        for i in self._processing:
+            row = self.rows[i]
+            if row.penalties is not None and row.history is not None and row.history.size + 1 >= CONTEXT:
+                groups.setdefault(row.penalties, []).append(i)
+            else:
+                alone.append(i)
+        for key in [key for key, members in groups.items() if len(members) < 2]:
+            alone += groups.pop(key)
+        return groups, sorted(alone)
 
 def _release_drafts(rows: list[Row]) -> None:
     for row in rows:

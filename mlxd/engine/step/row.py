@@ -14,6 +14,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.speculative.state import SpecState
+from mlxd.engine.step.penalties import penalty_key
 from mlxd.engine.step.sampling import make_request_processors, make_request_sampler, sampler_group
 
 # mx.random.seed takes an unsigned 64-bit integer.
@@ -30,6 +31,9 @@ class Row:
     sampler_key: tuple
     processors: list
     history: mx.array | None = None
+    # The settings its processors come from, when those are all it has (no constraint): rows with equal ones are
+    # processed together in a decode step (mlxd.engine.step.penalties). None: none, or processors of its own.
+    penalties: tuple | None = None
     cache: list[Any] = field(default_factory=list)  # its own cache until it joins the batch
     # A vision row's prompt: merged input embeddings and per-prompt inputs (mlxd.models.vlm.VisionPrompt).
     vision: Any = None
@@ -90,6 +94,7 @@ class Row:
             sampler=make_sampler(params),
             sampler_key=sampler_group(params, request_id),
             processors=make_request_processors(params) + list(extra_processors or ()),
+            penalties=penalty_key(params) if not extra_processors else None,
             cache=cache if cache is not None else make_request_cache(model, max_kv_size),
             num_logprobs=num_logprobs,
         )
