@@ -92,7 +92,7 @@ class EngineCore:
         self.reuse = PromptReuse(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self.memory: MemoryBudget | None = None  # measured at warm-up
         # max_running and where it came from (the config, or derived from the memory budget at warm-up).
-        self.running_limit = RunningLimit(config.max_running, "config")
+        self.running_limit = RunningLimit(config.max_running, "config" if config.max_running else "derived")
         vision = (VisionPrefill(model, config.vision_feature_cache_bytes, deliver if channel is None else None)
                   if hasattr(model, "encode") else None)
         self.runner = StepRunner(model, config, table=self.table, scheduler=self.scheduler, reuse=self.reuse,
