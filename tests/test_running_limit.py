@@ -1,5 +1,5 @@
 """The default max_running, derived from the memory budget at start-up: plain numbers for the derivation (an 8B
-model on large and small devices, weights that leave one row, a rotating cache), then the engine over the tiny
+model on large and small devices, a prefix cache larger than the room, weights that leave one row, a rotating cache), then the engine over the tiny
 model, where the derived width is what the scheduler admits, the status page shows, and the log line says."""
 
 from __future__ import annotations
@@ -48,6 +48,16 @@ def test_a_small_device_gets_the_rows_that_fit_rounded_down_to_a_power_of_two():
     assert derive_max_running(budget, prefix_cache_bytes=2 * GiB).max_running == 4
     # Without the prefix cache the same device holds 10 rows: 8.
     assert derive_max_running(budget, prefix_cache_bytes=0).max_running == 8
+
+
+def test_a_prefix_cache_larger_than_the_room_counts_for_half_of_it():
+    # A 16 GB bf16 8B model on a 24 GB CPU host (18 GB limit): 1.6 GB beside the weights, less than the 2 GiB cache.
+    budget = MemoryBudget(limit_bytes=18 * GB, weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV)
+    limit = derive_max_running(budget, prefix_cache_bytes=2 * GiB)
+    assert limit.room_bytes == budget.kv_budget_bytes - budget.kv_budget_bytes // 2
+    assert limit.max_running == 1  # 0.8 GB: one row of 4096 tokens (0.6 GB)
+    roomy = MemoryBudget(limit_bytes=18 * GB, weights_bytes=4 * GB, kv=QWEN3_8B_KV)  # 14 GB beside 4-bit weights
+    assert derive_max_running(roomy, prefix_cache_bytes=10 * GiB).max_running == 8  # 7 GB counted: 11 rows
 
 
 @pytest.mark.parametrize("room_rows", [0.5, 1.0, 1.99])

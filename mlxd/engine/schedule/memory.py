@@ -207,10 +207,14 @@ class RunningLimit:
 def derive_max_running(budget: MemoryBudget, *, prefix_cache_bytes: int, max_kv_size: int = 0) -> RunningLimit:
     """The default ``max_running``: rows of :data:`TYPICAL_CONTEXT_TOKENS` tokens (``max_kv_size`` when a rotating
     cache keeps fewer) that fit what the limit leaves beside the weights and the prefix cache, rounded down to a
-    power of two in ``[1, MAX_DERIVED_RUNNING]``."""
+    power of two in ``[1, MAX_DERIVED_RUNNING]``.
+
+    The prefix cache counts for at most half of what the weights leave: it gives way to running requests, so
+    counting all of a large one (the 2 GiB default beside an 8B model on a 24 GB CPU host) would leave one row where
+    the memory holds more."""
     context = min(TYPICAL_CONTEXT_TOKENS, max_kv_size) if max_kv_size else TYPICAL_CONTEXT_TOKENS
     row_bytes = max(1, budget.kv.num_bytes(context))
-    room = budget.kv_budget_bytes - prefix_cache_bytes
+    room = budget.kv_budget_bytes - min(prefix_cache_bytes, budget.kv_budget_bytes // 2)
     rows = min(MAX_DERIVED_RUNNING, max(1, room // row_bytes))
     return RunningLimit(1 << (rows.bit_length() - 1), "derived", context, row_bytes, room)
 
