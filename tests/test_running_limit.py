@@ -15,6 +15,7 @@ from mlxd.engine.base import EngineRequest
 from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.schedule.memory import (
     MAX_DERIVED_RUNNING,
+    MAX_DERIVED_RUNNING_GPU,
     TYPICAL_CONTEXT_TOKENS,
     KVCost,
     MemoryBudget,
@@ -127,3 +128,10 @@ def test_a_configured_width_is_kept_and_said_to_come_from_the_config(tiny_model_
         assert next(e for e in logs if e["event"] == "max_running")["source"] == "config"
     finally:
         engine.stop()
+
+
+def test_a_gpu_cap_holds_the_derived_width_where_warm_up_meets_every_width():
+    budget = MemoryBudget(limit_bytes=int(139 * GiB * 0.9), weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV)
+    assert derive_max_running(budget, prefix_cache_bytes=2 * GiB, cap=MAX_DERIVED_RUNNING_GPU).max_running == 16
+    small = MemoryBudget(limit_bytes=int(10.7 * GB), weights_bytes=int(4.6 * GB), kv=QWEN3_8B_KV)
+    assert derive_max_running(small, prefix_cache_bytes=0, cap=MAX_DERIVED_RUNNING_GPU).max_running == 8

@@ -41,6 +41,7 @@ from mlxd.engine.prefix import PromptReuse, is_trimmable
 from mlxd.engine.requests import RequestTable, Submitted
 from mlxd.engine.schedule.memory import (
     MAX_DERIVED_RUNNING,
+    MAX_DERIVED_RUNNING_GPU,
     MemoryBudget,
     RunningLimit,
     derive_max_running,
@@ -143,7 +144,7 @@ class EngineCore:
             self.running_limit = RunningLimit(config.max_running, "config")
         else:
             self.running_limit = derive_max_running(self.memory, prefix_cache_bytes=config.prefix_cache_bytes,
-                                                    max_kv_size=config.max_kv_size)
+                                                    max_kv_size=config.max_kv_size, cap=self._derived_cap())
             self.config = msgspec.structs.replace(config, max_running=self.running_limit.max_running)
             self.runner.config = self.config
         self.scheduler.max_running = self.running_limit.max_running
@@ -151,7 +152,11 @@ class EngineCore:
         log.info("max_running", max_running=limit.max_running, source=limit.source,
                  **({"context_tokens": limit.context_tokens, "row_bytes": limit.row_bytes,
                      "room_bytes": limit.room_bytes, "prefix_cache_bytes": config.prefix_cache_bytes,
-                     "max_derived": MAX_DERIVED_RUNNING} if limit.source == "derived" else {}))
+                     "max_derived": self._derived_cap()} if limit.source == "derived" else {}))
+
+    @staticmethod
+    def _derived_cap() -> int:
+        return MAX_DERIVED_RUNNING if mx.default_device() == mx.cpu else MAX_DERIVED_RUNNING_GPU
 
     # ---- what the serving core decides ----
 

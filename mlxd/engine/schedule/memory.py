@@ -187,10 +187,13 @@ def require_fits(budget: MemoryBudget, num_prompt_tokens: int, max_tokens: int, 
 # tokens; and admission still holds every request to what memory allows (rows x the largest reservation, at most
 # the budget), so this only caps how many may run when they fit.
 TYPICAL_CONTEXT_TOKENS = 4096
-# The derived value is rounded down to a power of two and kept at most this: warm-up meets every batch width up to
-# max_running on GPU backends (202 s at 64 rows on an H200 with Qwen3-8B, 40 s at 16), and the issue's shared-server
-# load is 32-64 streams. Set [engine] max_running for more.
+# The derived value is rounded down to a power of two and kept at most this: a shared server's load is 32-64
+# streams. Set [engine] max_running for more.
 MAX_DERIVED_RUNNING = 64
+# On GPU backends, at most this until warm-up covers widths by buckets: warm-up meets every batch width up to
+# max_running there (202 s at 64 rows on an H200 with Qwen3-8B, against 40 s at 16), and the 64-row step measured
+# then delivered less than 16 rows did (329 against 654-908 tok/s at 64 streams).
+MAX_DERIVED_RUNNING_GPU = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,10 +207,11 @@ class RunningLimit:
     room_bytes: int = 0
 
 
-def derive_max_running(budget: MemoryBudget, *, prefix_cache_bytes: int, max_kv_size: int = 0) -> RunningLimit:
+def derive_max_running(budget: MemoryBudget, *, prefix_cache_bytes: int, max_kv_size: int = 0,
+                       cap: int = MAX_DERIVED_RUNNING) -> RunningLimit:
     """The default ``max_running``: rows of :data:`TYPICAL_CONTEXT_TOKENS` tokens (``max_kv_size`` when a rotating
     cache keeps fewer) that fit what the limit leaves beside the weights and the prefix cache, rounded down to a
-    power of two in ``[1, MAX_DERIVED_RUNNING]``.
+    power of two in ``[1, cap]`` (:data:`MAX_DERIVED_RUNNING`, or :data:`MAX_DERIVED_RUNNING_GPU` on GPUs).
 
     The prefix cache counts for at most half of what the weights leave: it gives way to running requests, so
     counting all of a large one (the 2 GiB default beside an 8B model on a 24 GB CPU host) would leave one row where
@@ -215,7 +219,7 @@ def derive_max_running(budget: MemoryBudget, *, prefix_cache_bytes: int, max_kv_
     context = min(TYPICAL_CONTEXT_TOKENS, max_kv_size) if max_kv_size else TYPICAL_CONTEXT_TOKENS
     row_bytes = max(1, budget.kv.num_bytes(context))
     room = budget.kv_budget_bytes - min(prefix_cache_bytes, budget.kv_budget_bytes // 2)
-    rows = min(MAX_DERIVED_RUNNING, max(1, room // row_bytes))
+    rows = min(cap, max(1, room // row_bytes))
     return RunningLimit(1 << (rows.bit_length() - 1), "derived", context, row_bytes, room)
 
 
