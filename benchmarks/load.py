@@ -234,7 +234,8 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
     specs = [(*spec, {}) for spec in _named_specs(args, tmp, max_concurrency)]
     if args.baseline_mlxd:  # another mlxd source tree (an earlier commit), served side by side with this one
         port = free_port()
-        command = mlxd_command(args.model, port, tmp / "baseline", max_concurrency, args.mlxd_log_level)
+        command = mlxd_command(args.model, port, tmp / "baseline", args.mlxd_max_running or max_concurrency,
+                               args.mlxd_log_level)
         env = {**tree_env(args.baseline_mlxd), **dict(item.split("=", 1) for item in args.baseline_env.split())}
         specs.append(("mlxd baseline (HTTP)", command, "/health", env))
     return specs
@@ -253,7 +254,8 @@ def _named_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
     for name in args.servers.split(","):
         port = free_port()
         if name == "mlxd":
-            specs.append(("mlxd (HTTP)", mlxd_command(args.model, port, tmp, max_concurrency, args.mlxd_log_level),
+            specs.append(("mlxd (HTTP)", mlxd_command(args.model, port, tmp, args.mlxd_max_running or max_concurrency,
+                                                      args.mlxd_log_level),
                           "/health"))
         elif name == "mlx_lm":
             specs.append(("mlx_lm.server (HTTP)", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
@@ -431,6 +433,8 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     parser.add_argument("--mlxd-log-level", default="warning", choices=["warning", "info"],
                         help="mlxd's log level (info: a line per request, with its queued and prefill times)")
+    parser.add_argument("--mlxd-max-running", type=int, default=0,
+                        help="[engine] max_running of every mlxd served (default: the highest --concurrency)")
     parser.add_argument("--baseline-mlxd", help="another mlxd source tree (e.g. `git worktree add ../base HEAD~3`), "
                                                "served side by side as 'mlxd baseline'")
     parser.add_argument("--baseline-env", default="",
