@@ -198,6 +198,9 @@ def openblas_env() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from mlxd.log import quiet_pytorch_notice
+
+    quiet_pytorch_notice()  # every command imports transformers (through mlx-lm) sooner or later
     try:
         if argv and argv[0] == "check-config":
             return check_config(argv[1:])

@@ -61,6 +61,7 @@ class _Output:
     level: str = "info"
     fmt: str = "auto"
     file: LogFile | None = None
+    console: bool = False  # lines rendered for a reader (not JSON)
 
 
 _output = _Output()
@@ -98,6 +99,7 @@ def _apply(level: str, fmt: str) -> None:
     _output.level, _output.fmt = level, fmt
     target = _output.file or sys.stderr
     use_json = fmt == "json" or (fmt == "auto" and not target.isatty())
+    _output.console = not use_json
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
@@ -119,6 +121,32 @@ def _apply(level: str, fmt: str) -> None:
     else:
         logging.basicConfig(level=std_level, stream=sys.stderr)
     logging.getLogger().setLevel(std_level)
+
+
+def console_terminal() -> TextIO | None:
+    """stderr, when log lines go there in the console format and it is a terminal (where a progress bar may be
+    drawn between them); else ``None``."""
+    if _output.file is not None or not _output.console or not sys.stderr.isatty():
+        return None
+    return sys.stderr
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_pytorch_notice() -> None:
+    """Drop transformers' "PyTorch was not found. Models won't be available..." (logged by ``transformers``'
+    ``__init__`` at import when torch is absent, which it always is here: mlxd uses its tokenizers only). Its
+    other messages are left as they are. Call before transformers is first imported."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("PyTorch was not found."))
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
