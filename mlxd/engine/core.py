@@ -54,6 +54,7 @@ from mlxd.engine.step.steptimes import StepTimes
 from mlxd.engine.step.vision import VisionPrefill, prompt_key
 from mlxd.errors import DistributedFault
 from mlxd.log import get_logger
+from mlxd.runtime.progress import phase
 
 log = get_logger("mlxd.engine")
 
@@ -134,7 +135,8 @@ class EngineCore:
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
                  kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes)
         self._set_max_running()
-        self.runner.warm_up()
+        with phase("warm_up", max_running=self.config.max_running):
+            self.runner.warm_up()
 
     def _set_max_running(self) -> None:
         """``[engine] max_running`` as set, or (0) derived from the memory budget; logged with where it came from.

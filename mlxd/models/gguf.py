@@ -34,6 +34,7 @@ import numpy as np
 from mlxd.errors import ModelLoadError
 from mlxd.log import get_logger
 from mlxd.models.gguf_tokenizer import special_token_ids, write_tokenizer_files
+from mlxd.runtime.progress import phase
 
 log = get_logger("mlxd.models")
 
@@ -388,7 +389,8 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{_HOST}-{os.getpid()}-", dir=cache_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
-        convert_gguf(gguf_path, tmp)
+        with phase("converting", gguf=str(gguf_path), size_bytes=gguf_path.stat().st_size):
+            convert_gguf(gguf_path, tmp)
         try:
             os.rename(tmp, target)
         except OSError:

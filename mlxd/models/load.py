@@ -17,6 +17,7 @@ from typing import Any
 from mlxd.config.schema import ModelConfig
 from mlxd.errors import ModelLoadError
 from mlxd.log import get_logger
+from mlxd.runtime.progress import phase
 
 log = get_logger("mlxd.models")
 
@@ -116,6 +117,13 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
     mlx-lm class has ``shard``): each rank materializes its shard only.
     """
     folder = resolve_source(config.source, base_dir)
+    with phase("loading", folder=str(folder)):
+        return _load_folder(config, folder, base_dir, group)
+
+
+def _load_folder(config: ModelConfig, folder: Path, base_dir: Path | None, group: Any) -> LoadedModel:
+    """:func:`load`'s work once the source is an MLX folder: the weights made and evaluated (or, sharded, lazily
+    read), dtype and kernels chosen, the chat template read."""
     kind = detect_kind(folder, config.kind)
     if group is not None and kind == "vision":
         raise ModelLoadError(f"{folder} is a vision model, and [distributed] serves text models only (serve it with "

@@ -30,6 +30,7 @@ from mlxd.engine.step.prompts import (
 )
 from mlxd.engine.step.row import Row, make_request_cache
 from mlxd.engine.step.target import verify
+from mlxd.runtime import progress
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
 # On GPU backends groups are padded to multiples of GROUP_BUCKET (16) positions: these are the widths of groups of
@@ -80,32 +81,40 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     """
     batch = DecodeBatch(model)
     every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
-    _join_one_by_one(model, config, batch, every_shape)
+    n = config.max_running
+    num_steps = 2 * n + 1 if every_shape else n  # rows joining, then (every shape) leaving, groups, continuations
+    _join_one_by_one(model, config, batch, every_shape, num_steps)
     mx.clear_cache()
     if every_shape:
         _leave_one_by_one(batch)
-        _join_in_groups(model, config, batch)
+        progress.step(n + 1, num_steps)
+        _join_in_groups(model, config, batch, num_steps)
         _continue_in_groups(model, config)
+        progress.step(num_steps, num_steps)
     mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
     batch.clear()
     mx.clear_cache()
 
 
-def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, every_shape: bool) -> None:
+def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, every_shape: bool,
+                     num_phase_steps: int) -> None:
     """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``, with decode steps at
-    every size (only at powers of two and the largest, unless ``every_shape``)."""
+    every size (only at powers of two and the largest, unless ``every_shape``); each size is a step of the
+    start-up phase's ``num_phase_steps``."""
     num_steps = max(1, config.warmup_tokens)
     chunk = config.prefill_chunk
     row = _row(model, config, 0)
     process_prompt(model, row, _tokens(chunk), last=False)
     batch.add(row, process_prompt(model, row, _tokens(max(1, chunk // 4)), last=True, start=chunk))
     _steps(batch, num_steps)
+    progress.step(1, num_phase_steps)
     for i in range(1, config.max_running):
         row = _row(model, config, i)
         batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
         size = i + 1
         if every_shape or size & (size - 1) == 0 or size == config.max_running:
             _steps(batch, num_steps)
+        progress.step(size, num_phase_steps)
 
 
 def _leave_one_by_one(batch: DecodeBatch) -> None:
@@ -116,7 +125,7 @@ def _leave_one_by_one(batch: DecodeBatch) -> None:
         _evaluate(batch)
 
 
-def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> None:
+def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch, num_phase_steps: int) -> None:
     """Groups of 2..max_running whole prompts, at every width, join an empty batch and ``batch`` (which holds one
     row; not for a full group), decode two steps there and leave. The first decode step after a group joins grows
     the batched cache, and MLX's CUDA backend builds that step's graphs once per batch size and width (they last
@@ -129,6 +138,7 @@ def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch) -> Non
             hosts = [DecodeBatch(model)] + ([batch] if size < config.max_running else [])
             if not all(_join_and_leave(model, config, host, size, length) for host in hosts):
                 return
+        progress.step(config.max_running + size, num_phase_steps)
         mx.clear_cache()  # every size leaves buffers of shapes no later size reuses: 44 GB on an H100 (Qwen3-8B)
 
 

@@ -1,0 +1,93 @@
+"""Start-up tells what it is doing (issue 37 item 6): a log line when each phase starts and ends, progress lines
+during long ones, a progress bar on a terminal, and no "PyTorch was not found" from mlxd's own commands."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import sys
+
+import structlog
+
+from mlxd.runtime import progress
+from tests.helpers import free_port, serve_subprocess, write_config
+
+
+def test_check_config_prints_no_pytorch_notice(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir)
+    result = subprocess.run([sys.executable, "-m", "mlxd", "check-config", str(config)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+    assert "PyTorch was not found" not in result.stdout + result.stderr
+
+
+def test_only_the_pytorch_notice_is_dropped(caplog):
+    from mlxd.log import quiet_pytorch_notice
+
+    quiet_pytorch_notice()
+    quiet_pytorch_notice()  # twice adds one filter
+    logger = logging.getLogger("transformers")
+    assert sum(type(f).__name__ == "_DropMessage" for f in logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        logger.warning("PyTorch was not found. Models won't be available and only tokenizers, ...")
+        logger.warning("some other advice")
+    assert [r.getMessage() for r in caplog.records] == ["some other advice"]
+
+
+def test_daemon_logs_its_phases_in_order_with_durations(tiny_model_dir, tmp_path):
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, extra="[engine]\nmax_running = 4\n")
+    with serve_subprocess(config, port):
+        pass
+    lines = []
+    for raw in (tmp_path / f"server-{port}.log").read_text().splitlines():
+        if raw.startswith("{"):
+            lines.append(json.loads(raw))
+    assert not any("PyTorch was not found" in json.dumps(line) for line in lines)
+    events = [(line["event"], line.get("phase")) for line in lines
+              if line["event"] in ("phase_start", "phase_end", "memory_budget", "model_ready")]
+    assert events == [("phase_start", "loading"), ("phase_end", "loading"), ("memory_budget", None),
+                      ("phase_start", "warm_up"), ("phase_end", "warm_up"), ("model_ready", None)]
+    ends = {line["phase"]: line for line in lines if line["event"] == "phase_end"}
+    assert ends["loading"]["seconds"] >= 0 and ends["loading"]["folder"] == str(tiny_model_dir)
+    assert ends["warm_up"]["seconds"] >= 0 and ends["warm_up"]["max_running"] == 4
+
+
+def test_progress_is_logged_at_most_every_interval_and_drawn_on_a_terminal(monkeypatch):
+    clock = iter([0.0, 0.5, 2.5, 3.0, 4.6, 5.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    terminal = io.StringIO()
+    monkeypatch.setattr(progress, "console_terminal", lambda: terminal)
+    with structlog.testing.capture_logs() as logs:
+        with progress.phase("warm_up"):
+            for i in range(1, 5):
+                progress.step(i, 4)  # at 0.5, 2.5, 3.0 and 4.6 s
+    told = [(e["step"], e["seconds"]) for e in logs if e["event"] == "phase_progress"]
+    assert told == [(2, 2.5), (4, 4.6)]
+    assert [e["event"] for e in logs] == ["phase_start", "phase_progress", "phase_progress", "phase_end"]
+    assert logs[-1]["seconds"] == 5.0
+    drawn = terminal.getvalue()
+    assert "\rwarm_up [" + "#" * 30 + "] 4/4" in drawn and drawn.endswith("\r\033[K")
+    assert "] 1/4" in drawn and "] 3/4" in drawn
+
+
+def test_no_bar_when_not_a_terminal_and_steps_outside_a_phase_are_ignored(monkeypatch, capsys):
+    progress.step(1, 2)  # no phase: nothing happens
+    with structlog.testing.capture_logs() as logs:
+        with progress.phase("loading"):
+            progress.step(1, 1)
+    assert [e["event"] for e in logs] == ["phase_start", "phase_end"]
+    assert "loading [" not in capsys.readouterr().err
+
+
+def test_a_failing_phase_says_so():
+    with structlog.testing.capture_logs() as logs:
+        try:
+            with progress.phase("converting"):
+                raise ValueError("bad file")
+        except ValueError:
+            pass
+    assert [(e["event"], e["phase"]) for e in logs] == [("phase_start", "converting"), ("phase_failed", "converting")]
