@@ -124,6 +124,7 @@ class Daemon:
         from mlxd.engine.factory import make_engine as default_make_engine
         from mlxd.models.load import load, platform_summary
         from mlxd.runtime.blas import mapped_blas, reference_blas_warning
+        from mlxd.runtime.progress import phase
 
         started = time.monotonic()
         loaded = load(self.config.model, self.base_dir, group=self.group)
@@ -154,8 +155,9 @@ class Daemon:
             from mlxd.media.images import bound_pillow
 
             bound_pillow(self.config.vision.max_decode_pixels)
-        self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
-                                              processor=loaded.processor, base_dir=self.base_dir))
+        with phase("pipeline_warm_up", stages=[name for name, _ in self.pipeline.stages]):
+            self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
+                                                  processor=loaded.processor, base_dir=self.base_dir))
         if loaded.kind == "vision":
             self._warm_up_images()
         self.load_s = time.monotonic() - started

@@ -50,10 +50,24 @@ def test_daemon_logs_its_phases_in_order_with_durations(tiny_model_dir, tmp_path
     events = [(line["event"], line.get("phase")) for line in lines
               if line["event"] in ("phase_start", "phase_end", "memory_budget", "model_ready")]
     assert events == [("phase_start", "loading"), ("phase_end", "loading"), ("memory_budget", None),
-                      ("phase_start", "warm_up"), ("phase_end", "warm_up"), ("model_ready", None)]
+                      ("phase_start", "warm_up"), ("phase_end", "warm_up"),
+                      ("phase_start", "pipeline_warm_up"), ("phase_end", "pipeline_warm_up"), ("model_ready", None)]
     ends = {line["phase"]: line for line in lines if line["event"] == "phase_end"}
     assert ends["loading"]["seconds"] >= 0 and ends["loading"]["folder"] == str(tiny_model_dir)
     assert ends["warm_up"]["seconds"] >= 0 and ends["warm_up"]["max_running"] == 4
+
+
+def test_converting_a_gguf_file_is_a_phase_and_a_converted_one_is_not(tmp_path):
+    from mlxd.models.default_model import locate_default_gguf
+    from mlxd.models.gguf import ensure_converted
+
+    gguf = locate_default_gguf(download=False)
+    with structlog.testing.capture_logs() as logs:
+        folder = ensure_converted(gguf, tmp_path)
+        assert ensure_converted(gguf, tmp_path) == folder  # cached: no phase
+    phases = [(e["event"], e["phase"], e["gguf"]) for e in logs if e["event"].startswith("phase_")]
+    assert phases == [("phase_start", "converting", str(gguf)), ("phase_end", "converting", str(gguf))]
+    assert logs[-1]["seconds"] > 0 and logs[-1]["size_bytes"] == gguf.stat().st_size
 
 
 def test_progress_is_logged_at_most_every_interval_and_drawn_on_a_terminal(monkeypatch):
