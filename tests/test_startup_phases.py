@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import structlog
 
@@ -105,3 +106,16 @@ def test_a_failing_phase_says_so():
         except ValueError:
             pass
     assert [(e["event"], e["phase"]) for e in logs] == [("phase_start", "converting"), ("phase_failed", "converting")]
+
+
+def test_a_phase_without_steps_still_says_it_is_running(monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.05)
+    with structlog.testing.capture_logs() as logs:
+        with progress.phase("loading"):
+            time.sleep(0.4)
+        time.sleep(0.2)  # nothing after the end
+    events = [e["event"] for e in logs]
+    assert events[0] == "phase_start" and events[-1] == "phase_end"
+    ticks = [e for e in logs if e["event"] == "phase_progress"]
+    assert 3 <= len(ticks) <= 8 and all("step" not in e for e in ticks)
+    assert [e["seconds"] for e in ticks] == sorted(e["seconds"] for e in ticks)

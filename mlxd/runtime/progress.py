@@ -2,12 +2,14 @@
 
 Each phase logs ``phase_start`` and ``phase_end`` (with its ``seconds``); code deep inside a phase reports its steps
 with :func:`step`, which logs ``phase_progress`` (``step`` of ``steps``) at most every :data:`PROGRESS_EVERY_S`
-seconds and, when log lines go to a terminal in the console format, redraws a one-line progress bar on it.
+seconds and, when log lines go to a terminal in the console format, redraws a one-line progress bar on it. A phase
+that reports no steps logs ``phase_progress`` with its seconds so far every :data:`PROGRESS_EVERY_S` seconds.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,8 +32,19 @@ class Phase:
         self.last_told = self.started
         self.terminal = terminal
         self.drawn = False
+        self.stepped = False
+        self._ended = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name=f"phase-{name}", daemon=True)
+
+    def _tick(self) -> None:
+        """For a phase that reports no steps (converting, loading): a ``phase_progress`` line with the seconds so far
+        every :data:`PROGRESS_EVERY_S` seconds, so a long one is not silent."""
+        while not self._ended.wait(PROGRESS_EVERY_S):
+            if not self.stepped:
+                log.info("phase_progress", phase=self.name, seconds=round(time.monotonic() - self.started, 2))
 
     def step(self, done: int, total: int) -> None:
+        self.stepped = True
         now = time.monotonic()
         if now - self.last_told >= PROGRESS_EVERY_S:
             self.last_told = now
@@ -45,6 +58,9 @@ class Phase:
             self.drawn = True
 
     def end(self) -> float:
+        self._ended.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
         if self.drawn and self.terminal is not None:
             self.terminal.write("\r\033[K")  # the bar's line cleared, so the next log line starts on it
             self.terminal.flush()
@@ -61,6 +77,7 @@ def phase(name: str, **fields: Any) -> Iterator[Phase]:
     current = Phase(name, console_terminal())
     log.info("phase_start", phase=name, **fields)
     token = _current.set(current)
+    current._ticker.start()
     try:
         yield current
     except BaseException:
