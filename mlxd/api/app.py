@@ -8,11 +8,11 @@ from contextlib import asynccontextmanager
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
-from litestar.openapi import OpenAPIConfig
 
 from mlxd import __version__
 from mlxd.api.anthropic import AnthropicController
 from mlxd.api.auth import load_keys, make_guard
+from mlxd.api.docs import make_docs_config
 from mlxd.api.errors import EXCEPTION_HANDLERS
 from mlxd.api.metrics import Metrics
 from mlxd.api.openai import OpenAIController
@@ -65,6 +65,6 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
         lifespan=[lifespan],
         request_max_body_size=server.max_body_bytes,
         cors_config=CORSConfig(allow_origins=server.cors_origins) if server.cors_origins else None,
-        openapi_config=OpenAPIConfig(title="mlxd", version=__version__, path="/docs"),
+        openapi_config=make_docs_config("mlxd", __version__),
         debug=False,
     )
