@@ -80,3 +80,12 @@ def test_docs_assets_are_only_the_listed_files(server):
     missing = httpx.get(server + "/docs/assets/swagger-editor-bundle.js", timeout=10)
     assert missing.status_code == 404
     assert "error" in missing.json()
+
+
+def test_docs_and_their_assets_need_a_key_when_keys_are_set(tiny_model_dir, tmp_path):
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port)
+    with serve_subprocess(config, port, env={"MLXD_API_KEYS": "docs-key-5e1d"}) as (base, _):
+        for path in ("/docs", "/docs/openapi.json", "/docs/assets/swagger-ui-bundle.js"):
+            assert httpx.get(base + path, timeout=10).status_code == 401, path
+            assert httpx.get(base + path, headers={"x-api-key": "docs-key-5e1d"}, timeout=10).status_code == 200, path
