@@ -3,6 +3,7 @@ with, and OpenAI's strict-mode reading of objects that do not say whether they a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -14,6 +15,11 @@ from mlxd.errors import RequestError
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 JSON_OVERRIDES: dict[str, Any] = {"lenient": False}
 
+# Bounds every integer and number of a reply is held to (see :func:`bound_numbers`): 2**63 - 1024 is the largest
+# int64 that is also a double below 2**63; 10 digits after the point is the finest multipleOf llguidance compiles.
+NUMBER_LIMIT = 2**63 - 1024
+FRACTION_DIGITS = 10
+
 # Keywords whose value is a map of names to subschemas, a list of subschemas, or one subschema (``items`` may be a
 # list in drafts before 2020-12). ``allOf`` branches are not closed: closing each branch of an intersection would
 # forbid the properties the other branches declare.
@@ -24,12 +30,13 @@ _SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", 
 
 
 def with_json_options(schema: dict[str, Any], *, param: str) -> dict[str, Any]:
-    """A shallow copy of ``schema`` whose ``x-guidance`` holds :data:`JSON_DEFAULTS`, then the schema's own
-    options, then :data:`JSON_OVERRIDES`. ``RequestError(param=param)`` when ``x-guidance`` is not an object."""
+    """A copy of ``schema`` with its numbers bounded (:func:`bound_numbers`) whose ``x-guidance`` holds
+    :data:`JSON_DEFAULTS`, then the schema's own options, then :data:`JSON_OVERRIDES`.
+    ``RequestError(param=param)`` when ``x-guidance`` is not an object."""
     own = schema.get("x-guidance", {})
     if not isinstance(own, dict):
         raise RequestError(f"x-guidance must be an object of llguidance JSON options, got {own!r}", param=param)
-    return {**schema, "x-guidance": {**JSON_DEFAULTS, **own, **JSON_OVERRIDES}}
+    return {**bound_numbers(schema), "x-guidance": {**JSON_DEFAULTS, **own, **JSON_OVERRIDES}}
 
 
 def close_objects(schema: Any) -> Any:
@@ -38,19 +45,61 @@ def close_objects(schema: Any) -> Any:
 
     An object schema is one whose ``type`` is or includes ``"object"``, or that lists ``properties``.
     """
+    return _rewrite(schema, _close, _SCHEMA_LISTS, _SCHEMA_ONE)
+
+
+def _close(schema: dict[str, Any]) -> None:
+    if _is_object_schema(schema) and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+
+
+def bound_numbers(schema: Any) -> Any:
+    """``schema`` with every ``integer`` and ``number`` schema bounded, so that no number in a reply can run on
+    without end (a new structure; the argument is not changed). Bounds a schema sets are kept where tighter.
+
+    Integers lie within :data:`NUMBER_LIMIT` (the int64 range less its last 1023 values at each end: llguidance
+    reads bounds as doubles, and a bound at 2**63 does not compile). Numbers lie within it too, and without their
+    own ``multipleOf`` have at most :data:`FRACTION_DIGITS` digits after the point (llguidance writes a bounded
+    number with no exponent), so a number is at most 31 characters.
+    """
+    return _rewrite(schema, _bound, (*_SCHEMA_LISTS, "allOf"), tuple(k for k in _SCHEMA_ONE if k != "not"))
+
+
+def _bound(schema: dict[str, Any]) -> None:
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "integer" not in kinds and "number" not in kinds:
+        return
+    schema["minimum"] = _tighter(schema.get("minimum"), -NUMBER_LIMIT, max)
+    schema["maximum"] = _tighter(schema.get("maximum"), NUMBER_LIMIT, min)
+    if "number" in kinds and "multipleOf" not in schema:
+        schema["multipleOf"] = 10.0 ** -FRACTION_DIGITS
+
+
+def _tighter(own: Any, limit: int, pick: Callable[[Any, Any], Any]) -> Any:
+    """The schema's own bound where it is tighter than ``limit``; a bound that is not a number is left for
+    llguidance to refuse."""
+    if isinstance(own, bool) or not isinstance(own, (int, float)):
+        return limit if own is None else own
+    return pick(own, limit)
+
+
+def _rewrite(schema: Any, fix: Callable[[dict[str, Any]], None], lists: tuple[str, ...],
+             ones: tuple[str, ...]) -> Any:
+    """A copy of ``schema`` with ``fix`` applied (in place, on the copy) to every subschema reached through
+    :data:`_SCHEMA_MAPS`, ``lists`` and ``ones``, innermost first."""
     if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
+        return [_rewrite(s, fix, lists, ones) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(s) for name, s in out[key].items()}
-    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONE):
+            out[key] = {name: _rewrite(s, fix, lists, ones) for name, s in out[key].items()}
+    for key in (*lists, *ones):
         if key in out:
-            out[key] = close_objects(out[key])
-    if _is_object_schema(out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
+            out[key] = _rewrite(out[key], fix, lists, ones)
+    fix(out)
     return out
 
 
