@@ -16,6 +16,8 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import OpenAPIRenderPlugin
 from litestar.response import File
 
+from mlxd.errors import MlxdError
+
 DOCS_PATH = "/docs"
 ASSETS = f"{DOCS_PATH}/assets"
 _STATIC = Path(__file__).parent / "static"
@@ -32,7 +34,7 @@ def _swagger_dist() -> Path:
     """The ``static`` folder of the installed ``swagger_ui`` package, found without importing it."""
     spec = importlib.util.find_spec("swagger_ui")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the swagger-ui-py package is missing: reinstall mlxd (it is a dependency)")
+        raise MlxdError("the swagger-ui-py package (/docs' assets) is missing: reinstall mlxd, which depends on it")
     return Path(next(iter(spec.submodule_search_locations))) / "static"
 
 
