@@ -12,7 +12,13 @@ import jsonschema
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from mlxd.constraints.schema import FRACTION_DIGITS, NUMBER_LIMIT, bound_numbers, with_json_options
+from mlxd.constraints.schema import (
+    ANY_JSON_OBJECT,
+    FRACTION_DIGITS,
+    NUMBER_LIMIT,
+    bound_numbers,
+    with_json_options,
+)
 from tests.helpers import app_client, write_config
 
 BYTES = LLTokenizer("byte")
@@ -131,3 +137,11 @@ def test_a_reply_cut_by_max_tokens_says_length(client):
             with pytest.raises(json.JSONDecodeError):
                 json.loads(text)
     assert "length" in finishes, finishes  # a string with no maxLength outruns 6 tokens
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("{}", True), ('{"a": [1, 2.5, "x", null, {"b": true}]}', True), ('{"a": {"b": [[]]}}', True),
+    ('{"a": ' + "1" * 40 + "}", False), ('{"a": [0.' + "5" * 30 + "]}", False), ("[1]", False),
+])
+def test_json_object_numbers_are_bounded_at_any_depth(text, ok):
+    assert accepts(ANY_JSON_OBJECT, text) is ok

@@ -19,7 +19,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlxd.constraints.schema import close_objects, find_ref_cycle, with_json_options
+from mlxd.constraints.schema import ANY_JSON_OBJECT, close_objects, find_ref_cycle, with_json_options
 from mlxd.constraints.tools import select_tools, tool_call_lark, tool_index
 from mlxd.errors import RequestError
 
@@ -69,7 +69,7 @@ class GrammarCompiler:
 
     def json_object(self) -> CompiledGrammar:
         """Any JSON object (``response_format: {"type": "json_object"}``)."""
-        schema = with_json_options({"type": "object"}, param="response_format")
+        schema = with_json_options(ANY_JSON_OBJECT, param="response_format")
         return self._cached(["json_object"], lambda: self.compile(
             LLMatcher.grammar_from_json_schema(schema), feature="json_object", param="response_format"))
 

@@ -20,6 +20,13 @@ JSON_OVERRIDES: dict[str, Any] = {"lenient": False}
 NUMBER_LIMIT = 2**63 - 1024
 FRACTION_DIGITS = 10
 
+# Any JSON object (``response_format: {"type": "json_object"}``), spelled out so that its numbers are bounded too.
+_ANY_VALUE = {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "number"}, {"type": "string"},
+                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
+                                   "$defs": {"value": _ANY_VALUE}}
+
 # Keywords whose value is a map of names to subschemas, a list of subschemas, or one subschema (``items`` may be a
 # list in drafts before 2020-12). ``allOf`` branches are not closed: closing each branch of an intersection would
 # forbid the properties the other branches declare.
