@@ -19,6 +19,7 @@ from mlxd.constraints.schema import (
     bound_numbers,
     with_json_options,
 )
+from mlxd.constraints.tools import select_tools
 from tests.helpers import app_client, write_config
 
 BYTES = LLTokenizer("byte")
@@ -145,3 +146,12 @@ def test_a_reply_cut_by_max_tokens_says_length(client):
 ])
 def test_json_object_numbers_are_bounded_at_any_depth(text, ok):
     assert accepts(ANY_JSON_OBJECT, text) is ok
+
+
+def test_tool_parameters_are_bounded_the_same_way():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}}}}]
+    parameters = select_tools(tools, "required")["f"]
+    assert parameters["properties"]["n"]["maximum"] == NUMBER_LIMIT
+    assert parameters["properties"]["x"]["multipleOf"] == 10.0 ** -FRACTION_DIGITS
+    assert "maximum" not in tools[0]["function"]["parameters"]["properties"]["n"]
