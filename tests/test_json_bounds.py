@@ -155,3 +155,16 @@ def test_tool_parameters_are_bounded_the_same_way():
     assert parameters["properties"]["n"]["maximum"] == NUMBER_LIMIT
     assert parameters["properties"]["x"]["multipleOf"] == 10.0 ** -FRACTION_DIGITS
     assert "maximum" not in tools[0]["function"]["parameters"]["properties"]["n"]
+
+
+@pytest.mark.parametrize(("schema", "text", "ok"), [
+    (CITY := {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}},
+     '{"city": "P", "population": 1, "x": [1.5, {"y": null}]}', True),
+    (CITY, '{"city": "P", "population": 1, "x": ' + "1" * 50 + "}", False),  # an unlisted property
+    ({"type": "object", "properties": {"m": {"description": "anything"}}}, '{"m": {"k": ' + "1" * 50 + "}}", False),
+    ({"type": "object", "properties": {"m": {}}}, '{"m": "text"}', True),
+    ({"type": "array"}, "[1, [2, " + "3" * 50 + "]]", False),
+    ({"type": "array"}, '[1, [2, 3], "x"]', True),
+])
+def test_values_a_schema_leaves_open_have_bounded_numbers(schema, text, ok):
+    assert accepts(schema, text) is ok

@@ -20,12 +20,17 @@ JSON_OVERRIDES: dict[str, Any] = {"lenient": False}
 NUMBER_LIMIT = 2**63 - 1024
 FRACTION_DIGITS = 10
 
-# Any JSON object (``response_format: {"type": "json_object"}``), spelled out so that its numbers are bounded too.
-_ANY_VALUE = {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "number"}, {"type": "string"},
-                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
-                        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
-ANY_JSON_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
-                                   "$defs": {"value": _ANY_VALUE}}
+# Any JSON value with its numbers bounded: what an object's unlisted properties, an array's unlisted items and an
+# empty subschema may hold once bounded (:func:`bound_numbers` adds it to the root's ``$defs``).
+ANY_NAME = "mlxd_any_value"
+_ANY = {"$ref": f"#/$defs/{ANY_NAME}"}
+_ANY_VALUE = {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"type": "string"},
+                        {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
+                         "multipleOf": 10.0 ** -FRACTION_DIGITS},
+                        {"type": "array", "items": _ANY}, {"type": "object", "additionalProperties": _ANY}]}
+# Any JSON object (``response_format: {"type": "json_object"}``).
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment"})
 
 # Keywords whose value is a map of names to subschemas, a list of subschemas, or one subschema (``items`` may be a
 # list in drafts before 2020-12). ``allOf`` branches are not closed: closing each branch of an intersection would
@@ -67,9 +72,26 @@ def bound_numbers(schema: Any) -> Any:
     Integers lie within :data:`NUMBER_LIMIT` (the int64 range less its last 1023 values at each end: llguidance
     reads bounds as doubles, and a bound at 2**63 does not compile). Numbers lie within it too, and without their
     own ``multipleOf`` have at most :data:`FRACTION_DIGITS` digits after the point (llguidance writes a bounded
-    number with no exponent), so a number is at most 31 characters.
+    number with no exponent), so a number is at most 31 characters. An object's unlisted properties, an array's
+    unlisted items and an empty subschema, which allow any value, allow any value with bounded numbers.
     """
-    return _rewrite(schema, _bound, (*_SCHEMA_LISTS, "allOf"), tuple(k for k in _SCHEMA_ONE if k != "not"))
+    ones = tuple(k for k in _SCHEMA_ONE if k != "not")
+    # Not within allOf: llguidance intersects its branches, and intersecting recursive "any" values does not end.
+    out = _rewrite(_rewrite(schema, _bound, (*_SCHEMA_LISTS, "allOf"), ones), _fill_any, _SCHEMA_LISTS, ones)
+    if isinstance(out, dict) and isinstance(out.get("$defs", {}), dict):
+        out["$defs"] = {**out.get("$defs", {}), ANY_NAME: _ANY_VALUE}
+    return out
+
+
+def _fill_any(schema: dict[str, Any]) -> None:
+    if "allOf" in schema:
+        return
+    if set(schema) <= _ANNOTATIONS:
+        schema.update(_ANY)
+    if _is_object_schema(schema) and schema.get("additionalProperties", True) is True:
+        schema["additionalProperties"] = _ANY
+    if _is_array_schema(schema) and schema.get("items", True) is True and "prefixItems" not in schema:
+        schema["items"] = _ANY
 
 
 def _bound(schema: dict[str, Any]) -> None:
@@ -81,6 +103,11 @@ def _bound(schema: dict[str, Any]) -> None:
     schema["maximum"] = _tighter(schema.get("maximum"), NUMBER_LIMIT, min)
     if "number" in kinds and "multipleOf" not in schema:
         schema["multipleOf"] = 10.0 ** -FRACTION_DIGITS
+
+
+def _is_array_schema(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    return kind == "array" or (isinstance(kind, list) and "array" in kind)
 
 
 def _tighter(own: Any, limit: int, pick: Callable[[Any, Any], Any]) -> Any:
