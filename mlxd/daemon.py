@@ -120,8 +120,6 @@ class Daemon:
 
     def load(self) -> None:
         """Load the model, start and warm the engine, warm the pipeline's stages (blocking)."""
-        from mlxd.engine.drafters.registry import make_drafter
-        from mlxd.engine.factory import make_engine as default_make_engine
         from mlxd.models.load import load, platform_summary
         from mlxd.runtime.blas import mapped_blas, reference_blas_warning
         from mlxd.runtime.progress import phase
@@ -130,15 +128,7 @@ class Daemon:
         loaded = load(self.config.model, self.base_dir, group=self.group)
         self.config = with_model_sampling(self.config, loaded.path)  # [model.sampling] > the model's > mlxd's
         tokenizer = loaded.tokenizer
-        if self.group is not None:
-            from mlxd.engine.distributed.channel import Channel
-            from mlxd.engine.distributed.leader import make_leader_engine
-
-            self.engine = make_leader_engine(loaded.model, self.config.engine, channel=Channel(self.group),
-                                             settings=self.config.distributed)
-        else:
-            drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
-            self.engine = (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
+        self.engine = self._new_engine(loaded)
         self.engine.on_failure = self._engine_failed
         self.engine.start()
         self.model_info = ModelInfo(
@@ -179,6 +169,21 @@ class Daemon:
         )
         if (warning := reference_blas_warning(loaded.dtype, summary["device"], blas)) is not None:
             log.warning("reference_blas", message=warning)
+
+    def _new_engine(self, loaded: Any) -> Any:
+        """The engine for the loaded model: a distributed leader under ``[distributed]``, else ``make_engine``'s
+        (with the configured drafter)."""
+        from mlxd.engine.drafters.registry import make_drafter
+        from mlxd.engine.factory import make_engine as default_make_engine
+
+        if self.group is not None:
+            from mlxd.engine.distributed.channel import Channel
+            from mlxd.engine.distributed.leader import make_leader_engine
+
+            return make_leader_engine(loaded.model, self.config.engine, channel=Channel(self.group),
+                                      settings=self.config.distributed)
+        drafter = make_drafter(self.config.engine.speculative, loaded.model, loaded.path, self.base_dir)
+        return (self._make_engine or default_make_engine)(self.config.engine, loaded.model, drafter)
 
     def _warm_up_images(self) -> None:
         """One image request and its second turn per ``[vision] warm_up_image_sizes`` through the pipeline
