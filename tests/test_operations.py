@@ -122,7 +122,7 @@ def events(log: Path) -> list[dict]:
 
 
 def test_interrupted_gguf_conversions_are_removed_when_the_daemon_next_loads_a_gguf(tmp_path):
-    from mlxd.models import gguf
+    from mlxd.models import gguf, gguf_temp
 
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF stand-in: the converted folder below is already there")
@@ -132,10 +132,10 @@ def test_interrupted_gguf_conversions_are_removed_when_the_daemon_next_loads_a_g
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                            check=True)
     dead = int(ended.stdout)
-    day_old = time.time() - 2 * gguf.STALE_TEMP_S
+    day_old = time.time() - 2 * gguf_temp.STALE_TEMP_S
     folders = {  # name: (age, removed?)
-        f".{target.name}.tmp-{gguf._HOST}-{dead}-k2j4h1x_": (None, True),
-        f".{target.name}.tmp-{gguf._HOST}-{os.getpid()}-a8sd7f6g": (None, False),  # a conversion running now
+        f".{target.name}.tmp-{gguf_temp._HOST}-{dead}-k2j4h1x_": (None, True),
+        f".{target.name}.tmp-{gguf_temp._HOST}-{os.getpid()}-a8sd7f6g": (None, False),  # a conversion running now
         f".{target.name}.tmp-otherhost-{dead}-q1w2e3r4": (None, False),  # maybe running on that machine
         f".{target.name}.tmp-otherhost-{dead}-z9x8c7v6": (day_old, True),
         f".{target.name}.ab12cd34": (None, False),  # an older converter's, maybe running

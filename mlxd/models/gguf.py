@@ -20,10 +20,8 @@ import mmap
 import os
 import re
 import shutil
-import socket
 import struct
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,11 +30,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.errors import ModelLoadError
-from mlxd.log import get_logger
+from mlxd.models.gguf_temp import remove_interrupted_conversions, temp_prefix
 from mlxd.models.gguf_tokenizer import special_token_ids, write_tokenizer_files
 from mlxd.runtime.progress import phase
-
-log = get_logger("mlxd.models")
 
 # Part of the cache folder name: bump it whenever the output of a conversion changes, so that folders written
 # by an older converter are not reused.
@@ -60,12 +56,6 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
                    11: "<q", 12: "<d"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
 
-# A conversion's temporary folder: ".<target>.tmp-<host>-<pid>-<random>"; an older converter's had no host or pid
-# (".<target>.<random>", tempfile's eight characters). Either is removed once clearly abandoned.
-_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:64]
-_TEMP = re.compile(r"\.(?P<target>.+-[0-9a-f]{16}-c\d+)\.tmp-(?P<host>\w+)-(?P<pid>\d+)-\w+")
-_LEGACY_TEMP = re.compile(r"\.(?P<target>.+-[0-9a-f]{16}-c\d+)\.\w{8}")
-STALE_TEMP_S = 24 * 3600
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -333,41 +323,6 @@ def _content_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _interrupted(folder: Path, now: float) -> bool:
-    if not folder.is_dir() or folder.is_symlink():
-        return False
-    if (match := _TEMP.fullmatch(folder.name)) is not None and match["host"] == _HOST:
-        return not _alive(int(match["pid"]))
-    if match is None and _LEGACY_TEMP.fullmatch(folder.name) is None:
-        return False  # not a conversion's folder
-    try:
-        return now - folder.stat().st_mtime > STALE_TEMP_S
-    except OSError:
-        return False
-
-
-def remove_interrupted_conversions(cache_dir: Path) -> list[Path]:
-    """Remove the temporary folders that conversions which never finished (the process was killed) left in
-    ``cache_dir``: those of a process of this machine that no longer runs, and any older than a day (another
-    machine's, on a shared cache, or an older converter's, whose names carry no process id). Returns them."""
-    now = time.time()
-    removed = [folder for folder in sorted(Path(cache_dir).glob(".*")) if _interrupted(folder, now)]
-    for folder in removed:
-        shutil.rmtree(folder, ignore_errors=True)
-        log.info("removed_interrupted_conversion", folder=str(folder))
-    return removed
-
-
 def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     """Return the folder converted from ``gguf_path`` under ``cache_dir``, converting on first use.
 
@@ -386,7 +341,7 @@ def ensure_converted(gguf_path: Path, cache_dir: Path) -> Path:
     if target.is_dir():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{_HOST}-{os.getpid()}-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name), dir=cache_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
         with phase("converting", gguf=str(gguf_path), size_bytes=gguf_path.stat().st_size):
