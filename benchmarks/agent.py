@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.support
 import load as loadgen  # noqa: E402  (the load generator's server helpers)
 
 RULES = [
@@ -60,7 +61,7 @@ def system_prompt(num_rules: int = 18) -> str:
 
 
 def build_model(model_dir: Path) -> Path:
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return tiny_model_cached(model_dir, "qwen3", hidden_size=1024, num_layers=28, num_attention_heads=16,
                              num_key_value_heads=8, head_dim=128, intermediate_size=3072)

@@ -119,7 +119,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp())
     if not args.model:
-        from mlxd.testing.tiny import tiny_model_cached
+        from tests.support.tiny import tiny_model_cached
 
         args.model = str(tiny_model_cached(tmp, args.tiny or "qwen3", hidden_size=256, num_layers=4))
     model, tokenizer = load(args.model)

@@ -40,6 +40,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.support
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -377,7 +379,7 @@ def model_folder(model: str | None, tiny: str | None, root: Path | None = None) 
     ``root`` (a fresh temporary folder by default)."""
     if model:
         return model
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return str(tiny_model_cached(root or Path(tempfile.mkdtemp()), tiny, hidden_size=128, num_layers=4))
 

@@ -1,7 +1,7 @@
 """A random-weight Qwen2.5-VL model folder of a real shape, for throughput work where no weights can be downloaded.
 
 The folder loads offline with ``mlx_vlm.load`` (and with mlx-lm as a text model, mlxd's ``[model] kind = "text"``).
-It starts from mlxd's tiny Qwen2.5-VL fixture (``mlxd.testing.tiny_vlm.build_tiny_vlm``): its tokenizer (about a
+It starts from mlxd's tiny Qwen2.5-VL fixture (``tests.support.tiny_vlm.build_tiny_vlm``): its tokenizer (about a
 thousand tokens plus Qwen's vision tokens and a ChatML template), config.json (token ids) and processor files, then
 gives config.json the preset's dimensions, the processor the real pixel bounds, and replaces the weights. The
 embedding and output matrices keep the preset's vocabulary (152064 rows for the 7B); the output rows of ids the
@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from mlxd.testing.tiny_vlm import build_tiny_vlm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.support
+
+from tests.support.tiny_vlm import build_tiny_vlm
 
 # Qwen2.5-VL-7B-Instruct's published config.json (text at the top level, as the checkpoint has it).
 _QWEN2_5_VL_7B = {

@@ -100,7 +100,7 @@ def main() -> None:
     from mlx_lm import load
 
     from mlxd.engine.base import Plain, Speculative
-    from mlxd.testing.oracle_drafter import OracleDrafter
+    from tests.support.oracle_drafter import OracleDrafter
 
     path = model_folder(args.model, args.tiny)
     model, tokenizer = load(path)

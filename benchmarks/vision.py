@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.support
 import load as loadgen  # noqa: E402  (the load generator's server helpers and BLAS setup)
 
 SYSTEM_A = "You are a careful assistant who describes pictures for a museum catalogue, in full sentences."
@@ -568,7 +569,7 @@ def main() -> None:
     logs = args.logs = args.logs or tmp
     logs.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        from mlxd.testing.tiny_vlm import tiny_vlm_cached
+        from tests.support.tiny_vlm import tiny_vlm_cached
 
         args.model = str(tiny_vlm_cached(Path(tempfile.gettempdir()) / "mlxd-bench-models", args.tiny))
     args.model = str(Path(args.model).resolve())

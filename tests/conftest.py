@@ -54,7 +54,7 @@ def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_models_root: Path) -> Path:
     """A tiny random-weight llama model folder (mlx-lm format, with tokenizer)."""
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return tiny_model_cached(tiny_models_root, "llama")
 
@@ -62,7 +62,7 @@ def tiny_model_dir(tiny_models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_models_root: Path) -> Path:
     """A tiny random-weight qwen3 model folder."""
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return tiny_model_cached(tiny_models_root, "qwen3")
 
@@ -70,7 +70,7 @@ def tiny_qwen3_dir(tiny_models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_next_dir(tiny_models_root: Path) -> Path:
     """A tiny random-weight qwen3_next (hybrid linear attention + attention, MoE) model folder."""
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return tiny_model_cached(tiny_models_root, "qwen3_next")
 
@@ -78,6 +78,6 @@ def tiny_qwen3_next_dir(tiny_models_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm(tiny_models_root: Path):
     """A factory: ``tiny_vlm("qwen2_5_vl")`` is the folder of that tiny random-weight vision-language model."""
-    from mlxd.testing.tiny_vlm import tiny_vlm_cached
+    from tests.support.tiny_vlm import tiny_vlm_cached
 
     return lambda family: tiny_vlm_cached(tiny_models_root, family)

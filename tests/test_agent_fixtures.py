@@ -55,7 +55,7 @@ CODEX_TURNS = [fixture("codex_responses.json"), fixture("codex_responses_turn2.j
 
 @pytest.fixture(scope="module")
 def one_layer_model(tiny_models_root: Path) -> Path:
-    from mlxd.testing.tiny import tiny_model_cached
+    from tests.support.tiny import tiny_model_cached
 
     return tiny_model_cached(tiny_models_root, "llama", num_layers=1)
 

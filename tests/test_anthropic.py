@@ -33,8 +33,8 @@ from mlxd.api.output import Output
 from mlxd.config.schema import SamplingDefaults
 from mlxd.errors import ContextLengthExceeded, EngineError, NotReady, Overloaded, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
-from mlxd.testing.tool_templates import TOOL_TEMPLATES
 from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.support.tool_templates import TOOL_TEMPLATES
 
 KEY = "test-anthropic-key"
 TOOLS = [{"name": "get_weather", "description": "Weather for a city.",

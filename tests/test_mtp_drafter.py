@@ -17,7 +17,7 @@ mlx_vlm = pytest.importorskip("mlx_vlm")
 
 from mlxd.engine.drafters.mtp import MTPDrafter, make_mtp_drafter  # noqa: E402
 from mlxd.models.vlm import VisionLanguageModel  # noqa: E402
-from mlxd.testing.tiny_hybrid import build_tiny_qwen3_5_mtp, tiny_qwen3_5_mtp_cached  # noqa: E402
+from tests.support.tiny_hybrid import build_tiny_qwen3_5_mtp, tiny_qwen3_5_mtp_cached  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. A journey", "Hello, world! How are"]
 NUM_TOKENS = 24

@@ -15,7 +15,7 @@ from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import ModelInfo, PipelineContext
 from mlxd.pipeline.stages.detokenize import Detokenize, DetokenizeConfig
 from mlxd.pipeline.stages.parse import Parse, ParseConfig
-from mlxd.testing.tool_templates import TOOL_TEMPLATES
+from tests.support.tool_templates import TOOL_TEMPLATES
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 

@@ -22,8 +22,8 @@ from mlxd.pipeline.parsers.reasoning import (
     ThinkParser,
     detect_reasoning_parser,
 )
-from mlxd.testing.harmony_template import GPT_OSS_TEMPLATE
-from mlxd.testing.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.support.harmony_template import GPT_OSS_TEMPLATE
+from tests.support.tiny import CHAT_TEMPLATE, build_tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -31,8 +31,8 @@ from mlxd.api.responses_schemas import ResponseSettings, ResponsesRequest
 from mlxd.config.sampling import MLXD_SAMPLING
 from mlxd.errors import EngineError, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
-from mlxd.testing.tool_templates import TOOL_TEMPLATES
 from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.support.tool_templates import TOOL_TEMPLATES
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.", "strict": False,
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]

@@ -1,5 +1,5 @@
 """Seed-OSS: its reasoning (``<seed:think>``) and tool calls (``<seed:tool_call>``), read from what the fixture
-template (``mlxd.testing.tool_templates.SEED_OSS_TEMPLATE``, the published template's structure) renders.
+template (``tests.support.tool_templates.SEED_OSS_TEMPLATE``, the published template's structure) renders.
 
 Oracles: the assistant turn the template renders for given reasoning, content and calls is generated text that the
 two parsers, chained as the ``parse`` stage chains them, read back as that reasoning, content and those calls, fed
@@ -18,7 +18,7 @@ from mlxd.pipeline.events import ContentDelta, ReasoningDelta, ToolCallDelta
 from mlxd.pipeline.parsers.reasoning import SeedThinkParser, ThinkParser
 from mlxd.pipeline.parsers.registry import reasoning_parser_for, tool_parser_for
 from mlxd.pipeline.parsers.tools.seed_oss import SeedOssToolParser
-from mlxd.testing.tool_templates import QWEN3_CODER_TEMPLATE, SEED_OSS_TEMPLATE
+from tests.support.tool_templates import QWEN3_CODER_TEMPLATE, SEED_OSS_TEMPLATE
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.", "parameters": {

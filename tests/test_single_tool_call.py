@@ -24,9 +24,9 @@ from mlxd.api.app import create_app
 from mlxd.cli import load_everything
 from mlxd.daemon import Daemon
 from mlxd.engine.factory import make_engine
-from mlxd.testing.tool_templates import QWEN3_CODER_TEMPLATE
 from tests.helpers import sse_events, write_config
 from tests.scripted_server import ScriptedModel
+from tests.support.tool_templates import QWEN3_CODER_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

@@ -22,8 +22,8 @@ from mlxd.engine.drafters.draft_model import DraftModelDrafter
 from mlxd.engine.drafters.prompt_lookup import PromptLookupDrafter
 from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.step.row import logits_width
-from mlxd.testing.oracle_drafter import OracleDrafter
-from mlxd.testing.tiny import tiny_model_cached
+from tests.support.oracle_drafter import OracleDrafter
+from tests.support.tiny import tiny_model_cached
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "Hello", "The quick brown fox", "Rain fell softly",
            "1 2 3 4", "What is the capital of France?", "SELECT name FROM users"]

@@ -19,8 +19,8 @@ from mlxd.engine.base import EngineRequest, Failed, Finished, Plain, Speculative
 from mlxd.engine.drafters.mtp import make_mtp_drafter
 from mlxd.engine.engine import BatchedEngine
 from mlxd.models.vlm import VisionLanguageModel
-from mlxd.testing.oracle_drafter import OracleDrafter
-from mlxd.testing.tiny_hybrid import tiny_qwen3_5_mtp_cached
+from tests.support.oracle_drafter import OracleDrafter
+from tests.support.tiny_hybrid import tiny_qwen3_5_mtp_cached
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. A journey", "Hello, world! How are", "Once upon a time",
            "def main():", "Rain fell softly on the roof", "1 2 3 4 5"]

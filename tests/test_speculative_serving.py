@@ -12,8 +12,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from mlxd.errors import ConfigError
-from mlxd.testing.tiny import tiny_model_cached
 from tests.helpers import app_client, write_config
+from tests.support.tiny import tiny_model_cached
 
 REPEAT = "Repeat after me exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat."
 
@@ -83,7 +83,7 @@ def test_a_draft_model_named_relative_to_the_config(tmp_path, tiny_models_root, 
 
 
 def test_mtp_heads_of_a_hybrid_vision_checkpoint_serve_text_requests(tmp_path, tiny_models_root):
-    from mlxd.testing.tiny_hybrid import tiny_qwen3_5_mtp_cached
+    from tests.support.tiny_hybrid import tiny_qwen3_5_mtp_cached
 
     folder = tiny_qwen3_5_mtp_cached(tiny_models_root)
     config = speculative_config(tmp_path, folder, 'drafter = "mtp"\nk = 3')

@@ -51,7 +51,7 @@ def staged(tiny_model_dir, chat_template: str) -> tuple[Template, object]:
 
 def test_a_template_without_tools_gets_them_in_the_hermes_form(tiny_model_dir):
     from mlxd.pipeline.parsers.registry import tool_parser_for
-    from mlxd.testing.tool_templates import NO_TOOLS_TEMPLATE
+    from tests.support.tool_templates import NO_TOOLS_TEMPLATE
 
     stage, _ = staged(tiny_model_dir, NO_TOOLS_TEMPLATE)
     call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": {"query": "rain"}}}
@@ -71,7 +71,7 @@ def test_reasoning_effort_sets_the_template_s_thinking_switch(tiny_model_dir):
     from mlxd.api.jobs import chat_job
     from mlxd.api.schemas import ChatCompletionRequest
     from mlxd.config.schema import SamplingDefaults
-    from mlxd.testing.tool_templates import TOOL_TEMPLATES
+    from tests.support.tool_templates import TOOL_TEMPLATES
 
     stage, _ = staged(tiny_model_dir, TOOL_TEMPLATES["qwen3"])
     rendered = {}

@@ -23,10 +23,10 @@ from mlxd.pipeline.render import (
 )
 from mlxd.pipeline.stage import ModelInfo, PipelineContext
 from mlxd.pipeline.stages.template import Template, TemplateConfig
-from mlxd.testing import tiny
-from mlxd.testing.harmony_template import GPT_OSS_TEMPLATE
-from mlxd.testing.tool_templates import NO_TOOLS_TEMPLATE, TOOL_TEMPLATES
-from mlxd.testing.vlm_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, IDEFICS_TEMPLATE, TEMPLATE_HEAD
+from tests.support import tiny
+from tests.support.harmony_template import GPT_OSS_TEMPLATE
+from tests.support.tool_templates import NO_TOOLS_TEMPLATE, TOOL_TEMPLATES
+from tests.support.vlm_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, IDEFICS_TEMPLATE, TEMPLATE_HEAD
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": {

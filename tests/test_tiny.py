@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.testing.tiny import (
+from tests.support.tiny import (
     ADDED_TOKENS,
     SPECIAL_TOKENS,
     build_tiny_model,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxd.testing.tiny_vlm import FAMILIES, build_tiny_vlm, tiny_vlm_cached
+from tests.support.tiny_vlm import FAMILIES, build_tiny_vlm, tiny_vlm_cached
 
 mx = pytest.importorskip("mlx.core")
 mlx_vlm = pytest.importorskip("mlx_vlm")

@@ -1,7 +1,7 @@
 """Tool calls end to end, through the real ``openai`` SDK against daemons on loopback, one per model family.
 
 Each daemon serves the tiny model under a fixture chat template that reproduces its family's published format
-(``mlxd.testing.tool_templates``, ``mlxd.testing.harmony_template``), with ``tool_parser = "auto"``, and a scripted
+(``tests.support.tool_templates``, ``tests.support.harmony_template``), with ``tool_parser = "auto"``, and a scripted
 model double (``tests.scripted_server``) that generates exactly what the family's template renders for an
 assistant turn with tool calls: the format's own token sequence. The oracle is the call the template rendered:
 the parsed calls (streamed and not) must equal it, no markup may reach ``content``, and ``finish_reason`` must be
@@ -22,9 +22,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlxd.pipeline.parsers.registry import tool_parser_for
-from mlxd.testing.harmony_template import GPT_OSS_TEMPLATE
-from mlxd.testing.tool_templates import EXPECTED_PARSER, TOOL_TEMPLATES
 from tests.helpers import free_port, stop_process, wait_healthy, write_config
+from tests.support.harmony_template import GPT_OSS_TEMPLATE
+from tests.support.tool_templates import EXPECTED_PARSER, TOOL_TEMPLATES
 
 TEMPLATES = {**TOOL_TEMPLATES, "gpt-oss": GPT_OSS_TEMPLATE}
 PARSERS = {**EXPECTED_PARSER, "gpt-oss": "harmony"}

@@ -2,7 +2,7 @@
 
 Oracles: the same text fed whole, split in two at every character boundary, and character by character gives the
 same calls and the same content; markup never reaches content; and each family's published chat template (the
-fixtures of ``mlxd.testing.tool_templates``) renders calls that the family's parser reads back as the same calls.
+fixtures of ``tests.support.tool_templates``) renders calls that the family's parser reads back as the same calls.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from mlxd.pipeline.events import ContentDelta, ToolCallDelta
 from mlxd.pipeline.parsers.tools import TOOL_PARSERS, detect_tool_parser
 from mlxd.pipeline.parsers.tools.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
-from mlxd.testing.tool_templates import EXPECTED_PARSER, NO_TOOLS_TEMPLATE, TOOL_TEMPLATES
+from tests.support.tool_templates import EXPECTED_PARSER, NO_TOOLS_TEMPLATE, TOOL_TEMPLATES
 
 
 def _tool(name: str, **types: Any) -> dict[str, Any]:
@@ -363,7 +363,7 @@ def test_detects_each_familys_parser(family: str) -> None:
 
 
 def test_detects_nothing_for_a_template_without_tools() -> None:
-    from mlxd.testing.tiny import CHAT_TEMPLATE
+    from tests.support.tiny import CHAT_TEMPLATE
 
     assert detect_tool_parser(NO_TOOLS_TEMPLATE) is None
     assert detect_tool_parser(None) is None and detect_tool_parser("") is None

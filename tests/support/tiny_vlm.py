@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.testing.tiny import (
+from tests.support.tiny import (
     _BIAS_FEATURE,
     _EMBED_STD,
     _EOS_DAMPING,
@@ -30,7 +30,7 @@ from mlxd.testing.tiny import (
     build_once,
     build_tokenizer,
 )
-from mlxd.testing.vlm_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, IDEFICS_TEMPLATE, TEMPLATE_HEAD
+from tests.support.vlm_templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, IDEFICS_TEMPLATE, TEMPLATE_HEAD
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3")
 

@@ -1,4 +1,4 @@
-"""Chat templates of the tiny vision-language fixtures (``mlxd.testing.tiny_vlm``): every message, with image parts
+"""Chat templates of the tiny vision-language fixtures (``tests.support.tiny_vlm``): every message, with image parts
 rendered as each family's placeholder where they are."""
 
 # The templates share these macros and a header that gathers the system prompt (a first system message, then the

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlxd.testing.tiny import PAD_TOKEN, _rescale, build_once
-from mlxd.testing.tiny_vlm import _build_tokenizer, _init_model, _qwen_files, _spec
+from tests.support.tiny import PAD_TOKEN, _rescale, build_once
+from tests.support.tiny_vlm import _build_tokenizer, _init_model, _qwen_files, _spec
 
 # Bump when the builder's output changes, so that ``tiny_qwen3_5_mtp_cached`` folders are not reused.
 _BUILD_VERSION = 1
