@@ -107,22 +107,18 @@ def _pass_through(head, *, hidden: bool):
     return head
 
 
-def test_mlx_vlm_is_the_pinned_version_with_the_helpers_mtp_uses(target, mtp_folder):
-    from importlib.metadata import version
-
+def test_mlx_vlm_has_the_public_pieces_mtp_uses(target, mtp_folder):
+    """The public pieces; the private helpers (and mlx-vlm's version bound) are in tests/test_upstream_privates.py."""
     from mlx_vlm.models.cache import BatchKVCache
     from mlx_vlm.speculative.cache_state import SpeculativeCacheTransaction
     from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel
 
-    assert version("mlx-vlm") == "0.7.10", "mlxd.engine.drafters.mtp uses private helpers of mlx-vlm 0.7.10"
-    for name in ("_forward_hidden", "_greedy_token", "bind", "make_cache"):
+    for name in ("bind", "make_cache"):
         assert callable(getattr(Qwen3_5MTPDraftModel, name, None)), f"Qwen3_5MTPDraftModel.{name} is gone"
     for name in ("merge", "prepare", "finalize", "extract", "trim"):
         assert callable(getattr(BatchKVCache, name, None)), f"BatchKVCache.{name} is gone"
     vm, _ = target
-    head = _head(mtp_folder).bind(vm)
-    assert isinstance(head, Qwen3_5MTPDraftModel)
-    assert head._input_embed is vm.language_model.model.embed_tokens and head._input_embed_scale == 1.0
+    assert isinstance(_head(mtp_folder).bind(vm), Qwen3_5MTPDraftModel)
     *_, transaction = vm.verify_forward(mx.array([[1, 2]]), vm.make_cache())
     assert isinstance(transaction, SpeculativeCacheTransaction)
 

@@ -18,7 +18,8 @@ before those get the head's own hidden state where the row accepted drafts (the 
 its kept draft entries) and are skipped otherwise; an engine that passes every newly kept position (the prompt's
 at the first step) gives the head exact context.
 
-mlx-vlm pieces used, pinned to mlx-vlm==0.7.10 (``tests/test_mtp_drafter.py`` checks they exist):
+mlx-vlm pieces used, pinned to mlx-vlm==0.7.10 (``tests/test_mtp_drafter.py`` checks the public ones,
+``tests/test_upstream_privates.py`` the private ones):
 
 - public: ``speculative.drafters.load_drafter`` (splits a checkpoint's ``mtp.*`` tensors in memory),
   ``validate_drafter_compatibility``, ``Qwen3_5MTPDraftModel.bind`` / ``make_cache``, ``models.cache.KVCache`` /
