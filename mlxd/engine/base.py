@@ -90,6 +90,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     keep_prompt: bool = False
     # How the request decodes: set by the ``route`` stage.
     decode: DecodeMode = Plain()
+    # Called on the event loop with the request's last event (``Finished`` or ``Failed``), whether or not anyone
+    # still reads its stream: the request log line of a client that left waits for the engine's account.
+    on_end: Callable[[Finished | Failed], None] | None = None
 
 
 class Token(msgspec.Struct, frozen=True):
@@ -112,8 +115,12 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     cache_hit: str = "miss"
     # How it decoded: {"mode": "plain", "reason": ...}, or a speculative request's drafter and counters.
     decode: dict[str, Any] | None = None
+    # Prompt tokens this request ran through the model (after its ``num_cached_tokens``): the whole rest of the
+    # prompt once a first token came, the chunks it finished when it ended before (cancelled: those stay cached).
+    num_prompt_computed: int = 0
     # Seconds from reaching the engine to its first prompt chunk (waiting for admission), and from there to its
-    # first token (prompt processing, vision tower included, interleaved with other rows' steps).
+    # first token (prompt processing, vision tower included, interleaved with other rows' steps). A request that
+    # ended before either counts until its end (never admitted: ``prefill_s`` 0).
     queued_s: float | None = None
     prefill_s: float | None = None
 
@@ -152,10 +159,12 @@ class RequestHandle:
     per ``keepalive_s``, not one per token.
     """
 
-    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 on_end: Callable[[Finished | Failed], None] | None = None) -> None:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
+        self._on_end = on_end  # the request's ``on_end``: told its last event, read or not
         self._events: deque[EngineEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None  # what a stream waiting for an event awaits
         self._waiting_since = 0.0  # loop time the current wait began
@@ -179,10 +188,14 @@ class RequestHandle:
                 continue
 
     def _deliver(self, event: EngineEvent) -> None:
-        """On the event loop: queue ``event`` and wake the stream waiting for it."""
+        """On the event loop: queue ``event`` and wake the stream waiting for it; a last event also goes to
+        ``on_end``."""
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self._on_end is not None and isinstance(event, Finished | Failed):
+            on_end, self._on_end = self._on_end, None
+            on_end(event)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """End the request early: ``cancelled`` (the client went away) or ``stop`` (the pipeline has what it needs:

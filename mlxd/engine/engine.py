@@ -166,7 +166,8 @@ class BatchedEngine:
         if self.memory is not None:  # a request that could never fit is a 400 now, not a wait forever
             state.num_kv_bytes = require_fits(self.memory, len(request.prompt), request.max_tokens,
                                               request.prefill_chunk)
-        submitted = Submitted(request, RequestHandle(request.request_id, self, asyncio.get_running_loop()), state)
+        handle = RequestHandle(request.request_id, self, asyncio.get_running_loop(), on_end=request.on_end)
+        submitted = Submitted(request, handle, state)
         with self.core.table.lock:
             if self.failure is not None or self._stopping:
                 raise NotReady(f"the engine has stopped: {self.failure or 'the server is shutting down'}")

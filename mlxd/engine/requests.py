@@ -133,14 +133,17 @@ class RequestTable:
         return "length" if state.num_generated >= state.max_tokens else None
 
     def post_finished(self, submitted: Submitted, reason: str) -> None:
-        """Tell a request that it ended (``reason``: stop, length, cancelled), with its summary."""
-        state = submitted.state
+        """Tell a request that it ended (``reason``: stop, length, cancelled), with its summary: what the prefix
+        cache gave it, the prompt tokens it computed, and its time in the queue and in its prompt (a request that
+        ended before its first token counts them until now)."""
+        state, now = submitted.state, time.monotonic()
         started, first = submitted.started_at, state.first_token_at
         self.post(submitted, Finished(reason=reason, num_prompt_tokens=len(submitted.request.prompt),
                                       num_cached_tokens=state.num_cached_tokens, cache_hit=state.cache_hit,
+                                      num_prompt_computed=state.num_prefilled - state.num_cached_tokens,
                                       decode=self._decode_summary(submitted),
-                                      queued_s=_seconds(state.submitted_at, started),
-                                      prefill_s=_seconds(started, first)))
+                                      queued_s=_seconds(state.submitted_at, started or now),
+                                      prefill_s=_seconds(started, first or now) if started is not None else 0.0))
         if reason != "cancelled" and started is not None:
             duration, mean = time.monotonic() - started, self.mean_duration_s
             self.mean_duration_s = duration if mean is None else 0.8 * mean + 0.2 * duration

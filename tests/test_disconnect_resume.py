@@ -1,0 +1,159 @@
+"""Prompt work survives a disconnect: the chunks a request finished before its client left stay in the prefix
+cache, the same request sent again starts after them and answers what a cold run answers, and the engine's account
+of the request that left says what it had computed and how long it spent (issue 37).
+
+The engine is driven here one command at a time (:class:`EngineCore`), so that "the client left after two of five
+chunks" is exact, not a race with the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from mlx_lm import load
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, Failed, Finished, RequestHandle, Token
+from mlxd.engine.commands import Accept, Cancel, Clear, Evict, RequestSpec
+from mlxd.engine.core import EngineCore
+from mlxd.engine.requests import Submitted
+from mlxd.engine.schedule.scheduler import SequenceState
+from mlxd.engine.step.sampling import make_request_sampler
+
+CHUNK = 16
+NUM_CHUNKS = 5
+MAX_TOKENS = 6
+
+
+class Commands:
+    """The engine side of a :class:`RequestHandle` for a core driven by hand: a cancellation is applied at once,
+    between steps, as the engine thread applies it."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self.core.apply(Cancel(request_id, reason))
+        self.core.table.send()
+
+
+def make_core(model: Any) -> EngineCore:
+    core = EngineCore(model, EngineConfig(max_running=2, prefill_chunk=CHUNK), make_sampler=make_request_sampler)
+    core.warm_up()
+    return core
+
+
+def ask(request_id: str, prompt: list[int]) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt=prompt, max_tokens=MAX_TOKENS, prefill_chunk=CHUNK)
+
+
+def submit(core: EngineCore, request: EngineRequest, ended: list) -> RequestHandle:
+    """What :meth:`BatchedEngine.submit` and the engine thread do with a new request: hold it pending, accept it."""
+    request.on_end = ended.append
+    handle = RequestHandle(request.request_id, Commands(core), asyncio.get_running_loop(), on_end=request.on_end)
+    core.table.pending[request.request_id] = Submitted(request, handle, SequenceState.for_request(request))
+    core.apply(Accept(RequestSpec.of(request)))
+    return handle
+
+
+def step(core: EngineCore) -> None:
+    core.apply(core.plan())
+    core.table.send()
+
+
+async def events_of(handle: RequestHandle) -> tuple[list[int], Finished]:
+    """The tokens and the final event a handle has received (every step has run: nothing is left to wait for)."""
+    await asyncio.sleep(0)  # the engine's events reach the handle through the event loop
+    tokens = []
+    async for event in handle.events():
+        if isinstance(event, Token):
+            tokens.append(event.token)
+        elif isinstance(event, Finished | Failed):
+            assert isinstance(event, Finished), event
+            return tokens, event
+    raise AssertionError("the stream ended without a final event")
+
+
+async def run_to_end(core: EngineCore, request: EngineRequest) -> tuple[list[int], Finished]:
+    ended: list = []
+    handle = submit(core, request, ended)
+    for _ in range(NUM_CHUNKS + MAX_TOKENS + 2):
+        if not core.scheduler.has_work:
+            break
+        step(core)
+    tokens, finished = await events_of(handle)
+    assert ended == [finished]
+    return tokens, finished
+
+
+async def disconnect_after(core: EngineCore, request: EngineRequest, num_chunks: int) -> Finished:
+    """Submit ``request``, run ``num_chunks`` of its prompt chunks, then its client leaves."""
+    ended: list = []
+    handle = submit(core, request, ended)
+    for _ in range(num_chunks):
+        step(core)
+    handle.cancel()
+    tokens, finished = await events_of(handle)
+    assert tokens == [] and ended == [finished]  # on_end hears the end, though nobody read the stream
+    return finished
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen3_next_dir"])
+def test_a_retry_after_a_disconnect_resumes_after_the_finished_chunks(model_fixture, request):
+    """Five prompt chunks; the client leaves after two. The same request again starts after those two chunks (a
+    trimmable attention cache, and a hybrid one whose recurrent layers are snapshotted at chunk boundaries) and
+    answers, greedy, exactly what a cold run answers."""
+    model, tokenizer = load(str(request.getfixturevalue(model_fixture)))
+    prompt = (tokenizer.encode("A long agent prompt, read before the first answer. " * 30) * 2)[: CHUNK * NUM_CHUNKS]
+    assert len(prompt) == CHUNK * NUM_CHUNKS
+    core = make_core(model)
+
+    async def go() -> None:
+        left = await disconnect_after(core, ask("first", prompt), num_chunks=2)
+        assert left.reason == "cancelled" and left.num_cached_tokens == 0
+        assert left.num_prompt_computed == 2 * CHUNK
+        assert left.queued_s is not None and left.queued_s >= 0 and left.prefill_s is not None and left.prefill_s > 0
+        assert core.table.totals["num_cancelled"] == 1 and not core.scheduler.has_work
+
+        tokens, retried = await run_to_end(core, ask("retry", prompt))
+        assert retried.cache_hit == "prefix" and retried.num_cached_tokens >= 2 * CHUNK
+        assert retried.num_prompt_computed == len(prompt) - retried.num_cached_tokens
+
+        core.apply(Clear())
+        cold_tokens, cold = await run_to_end(core, ask("cold", prompt))
+        assert cold.num_cached_tokens == 0 and cold.num_prompt_computed == len(prompt)
+        assert len(tokens) == MAX_TOKENS and tokens == cold_tokens
+
+    asyncio.run(go())
+
+
+def test_the_kept_chunks_are_evictable_like_any_entry(tiny_model_dir):
+    """What a disconnected request left in the prefix cache counts in its bytes and gives way when memory is
+    needed: after an eviction the retry computes its whole prompt again (and still answers the same)."""
+    model, tokenizer = load(str(tiny_model_dir))
+    prompt = tokenizer.encode("Evictable prompt work, kept when the client left. " * 20)[: CHUNK * NUM_CHUNKS]
+    core = make_core(model)
+
+    async def go() -> None:
+        await disconnect_after(core, ask("first", prompt), num_chunks=2)
+        stats = core.reuse.stats()
+        assert stats["num_entries"] == 1 and 0 < stats["num_bytes"] <= stats["budget_bytes"]
+        core.apply(Evict(0))
+        assert core.reuse.num_bytes == 0
+        _, again = await run_to_end(core, ask("again", prompt))
+        assert again.cache_hit == "miss" and again.num_prompt_computed == len(prompt)
+
+    asyncio.run(go())
+
+
+def test_a_request_cancelled_in_the_queue_says_how_long_it_waited(tiny_model_dir):
+    """Never admitted: nothing computed, its wait counted until it ended, no prompt time."""
+    model, tokenizer = load(str(tiny_model_dir))
+    core = make_core(model)
+
+    async def go() -> None:
+        left = await disconnect_after(core, ask("queued", tokenizer.encode("Hello")), num_chunks=0)
+        assert left.num_prompt_computed == 0 and left.queued_s is not None and left.prefill_s == 0.0
+
+    asyncio.run(go())
