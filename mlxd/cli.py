@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlxd import __version__
+from mlxd.assemble import load_everything
 from mlxd.errors import ConfigError, MlxdError, ModelLoadError
 
 DESCRIPTION = """\
@@ -69,16 +70,6 @@ def serve_flags(args: argparse.Namespace) -> dict[str, object]:
     """The settings serve-time flags override, by dotted name (``server.port``)."""
     flags = {"server.host": args.host, "server.port": args.port}
     return {key: value for key, value in flags.items() if value is not None}
-
-
-def load_everything(path: Path):
-    """Config + assembled pipeline, validated; nothing is loaded into memory yet."""
-    from mlxd.config import load_config, resolve_pipeline
-    from mlxd.pipeline.pipeline import build_pipeline
-
-    config = load_config(path)
-    source, tables = resolve_pipeline(config, path)
-    return config, build_pipeline(tables, source)
 
 
 def check_model_source(config, path: Path) -> Path:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from mlxd.assemble import load_everything
+
 # Beyond the drain: uvicorn's wait for open connections (5 s) and the engine's shutdown.
 STOP_MARGIN_S = 15
 # launchd: at least this long between restarts; systemd: RestartSec.
@@ -242,8 +244,6 @@ def uninstall(spec: ServiceSpec, path: Path, out: TextIO) -> None:
 def main(argv: list[str], out: TextIO | None = None) -> int:
     """``mlxd service ...``: validate the config, then install, uninstall or print. Raises ``MlxdError`` (a bad
     config) before anything is written."""
-    from mlxd.cli import load_everything
-
     out = out or sys.stdout
     args = parser().parse_args(argv)
     drain_timeout_s, distributed = 0.0, False
