@@ -8,8 +8,16 @@ chunks" is exact, not a race with the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from mlx_lm import load
 
@@ -20,6 +28,7 @@ from mlxd.engine.core import EngineCore
 from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.scheduler import SequenceState
 from mlxd.engine.step.sampling import make_request_sampler
+from tests.helpers import ROOT, free_port, wait_healthy, write_config
 
 CHUNK = 16
 NUM_CHUNKS = 5
@@ -157,3 +166,92 @@ def test_a_request_cancelled_in_the_queue_says_how_long_it_waited(tiny_model_dir
         assert left.num_prompt_computed == 0 and left.queued_s is not None and left.prefill_s == 0.0
 
     asyncio.run(go())
+
+
+# ---- over HTTP: a streaming client that closes its socket after two of five chunks ----
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, int, Path]]:
+    """A server whose prompt chunks take 0.25 s each (:mod:`tests.slow_prompt_server`), so that a client can leave
+    between chunks; yields its base URL, port and JSON log."""
+    tmp = tmp_path_factory.mktemp("disconnect_resume")
+    port = free_port()
+    config = write_config(tmp, tiny_model_dir, port=port, extra=f"[engine]\nprefill_chunk = {CHUNK}\n")
+    log_path = tmp / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.slow_prompt_server", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc, 180, log_path)
+        yield base, port, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def request_lines(log_path: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == "request"]
+
+
+def wait_until(what: str, found: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := found()):
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+def stream_then_leave(port: int, body: dict[str, Any], base: str, num_tokens: int) -> None:
+    """POST a streaming completion over a raw socket; close it once the engine has processed ``num_tokens`` of
+    its prompt (``/v1/status``), before a first token can come."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    def prefilled() -> bool:
+        running = httpx.get(base + "/v1/status", timeout=10).json()["running"]
+        return bool(running) and running[0]["num_prefilled_tokens"] >= num_tokens
+
+    wait_until(f"{num_tokens} prompt tokens processed", prefilled)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def test_the_log_line_of_a_client_that_left_says_what_it_computed_and_its_retry_resumes(slow_server):
+    """A streaming client leaves after two of its prompt's five chunks. Its request log line says how it ended,
+    what it got from the prefix cache (nothing), the prompt tokens computed when it left and its time queued and
+    in its prompt; the same request again reports those tokens cached (usage and log line) and answers what a
+    cold run answers."""
+    base, port, log_path = slow_server
+    body = {"model": "tiny", "prompt": list(range(5, 5 + CHUNK * NUM_CHUNKS)), "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    httpx.delete(base + "/v1/cache", timeout=10).raise_for_status()
+    stream_then_leave(port, body, base, 2 * CHUNK)
+    (left,) = wait_until("the request line of the client that left", lambda: [
+        line for line in request_lines(log_path) if line["outcome"] == "client disconnected"])
+    assert left["finish_reason"] == "cancelled" and left["prompt_tokens"] == CHUNK * NUM_CHUNKS
+    assert left["cached_tokens"] == 0 and left["cache_hit"] == "miss"
+    assert 2 * CHUNK <= left["prompt_tokens_computed"] < CHUNK * NUM_CHUNKS
+    assert left["queued_s"] is not None and left["queued_s"] >= 0 and left["prefill_s"] > 0
+    assert left["completion_tokens"] is None and left["ttft_s"] is None
+
+    retry = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    cached = retry["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= left["prompt_tokens_computed"] >= 2 * CHUNK
+    retry_line = wait_until("the retry's request line", lambda: [
+        line for line in request_lines(log_path) if line["request_id"] == retry["id"]])[0]
+    assert retry_line["cached_tokens"] == cached and retry_line["outcome"] == "ok"
+    assert retry_line["prompt_tokens_computed"] == CHUNK * NUM_CHUNKS - cached
+
+    httpx.delete(base + "/v1/cache", timeout=10).raise_for_status()
+    cold = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert retry["choices"][0]["text"] == cold["choices"][0]["text"]

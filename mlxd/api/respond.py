@@ -28,7 +28,7 @@ from mlxd.api.errors import redact
 from mlxd.api.output import Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.daemon import Daemon
-from mlxd.engine.base import Plain
+from mlxd.engine.base import Failed, Finished, Plain
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
 from mlxd.pipeline.events import Done, KeepAlive, TokenLogprobs
@@ -67,6 +67,18 @@ class Trace:
     num_choices: int = 1
     # Seconds the pipeline's preparation took (rendering, tokenizing, images), on a worker thread.
     prepare_s: float | None = None
+    # The engine's account of the (first choice's) request: its last event, once the engine let it go.
+    engine_end: Finished | Failed | None = None
+    # Whether the engine took the request on (its stream opened): its log line then waits for ``engine_end``.
+    in_engine: bool = False
+    _logged_at: float | None = None
+    _on_engine_end: Callable[[], None] | None = None
+
+    def engine_ended(self, event: Finished | Failed) -> None:
+        """The engine's last event for this request (on the event loop), read by its stream or not."""
+        self.engine_end = event
+        if self._on_engine_end is not None:
+            self._on_engine_end()
 
     def text_sent(self) -> None:
         """A text delta is going out now."""
@@ -85,9 +97,25 @@ class Trace:
             self.result = f"error_{exc.status if isinstance(exc, MlxdError) else 500}"
 
     def log(self) -> None:
-        """Write the request's log line (never the prompt or the text), then call ``on_end``."""
-        now = time.monotonic()
-        done = self.done
+        """Write the request's log line (never the prompt or the text), then call ``on_end``.
+
+        A request the engine took on and has not let go yet (its client left, a stop sequence ended it) is
+        logged once the engine's account comes (it applies the cancellation between steps), or after
+        ``ENGINE_ACCOUNT_WAIT_S`` without it: the line then says what its prompt got from the prefix cache and
+        computed, and how long it queued and prefilled, whether or not a first token came."""
+        self._logged_at = time.monotonic()
+        if not self.in_engine or self.engine_end is not None:
+            self._write()
+            return
+        waited = asyncio.get_running_loop().create_future()
+        self._on_engine_end = lambda: waited.done() or waited.set_result(None)
+        task = asyncio.ensure_future(_write_when(waited, self))
+        _WAITING.add(task)
+        task.add_done_callback(_WAITING.discard)
+
+    def _write(self) -> None:
+        done, end = self.done, self.engine_end if isinstance(self.engine_end, Finished) else None
+        account: Done | Finished | None = end or done
         log.info(
             "request",
             request_id=self.job.request_id,
@@ -97,20 +125,41 @@ class Trace:
             images=len(self.job.images) or None,
             prompt_tokens=len(self.job.prompt_ids),
             completion_tokens=done.num_completion_tokens if done else None,
-            cached_tokens=done.num_cached_tokens if done else None,
-            cache_hit=done.cache_hit if done else None,
+            cached_tokens=account.num_cached_tokens if account else None,
+            prompt_tokens_computed=_num_computed(end, done),
+            cache_hit=account.cache_hit if account else None,
             ttft_s=round(self.first_token - self.started, 4) if self.first_token else None,
             prepare_s=self.prepare_s,
-            queued_s=done.queued_s if done else None,
-            prefill_s=done.prefill_s if done else None,
-            total_s=round(now - self.started, 4),
-            finish_reason=done.finish_reason if done else None,
-            decode=_decode_fields(done.decode if done else None, self.job),
+            queued_s=account.queued_s if account else None,
+            prefill_s=account.prefill_s if account else None,
+            total_s=round((self._logged_at or time.monotonic()) - self.started, 4),
+            finish_reason=done.finish_reason if done else end.reason if end else None,
+            decode=_decode_fields(account.decode if account else None, self.job),
             max_tokens_clamped_from=self.job.max_tokens_clamped_from,
             outcome=self.outcome,
         )
         if self.on_end is not None:
             self.on_end(self)
+
+
+# How long a request's log line waits for the engine's account of it (the engine applies a cancellation between
+# steps; a step is one prompt chunk and one decode step), and the log lines waiting now.
+ENGINE_ACCOUNT_WAIT_S = 60.0
+_WAITING: set[asyncio.Task] = set()
+
+
+async def _write_when(ended: asyncio.Future, trace: Trace) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(ended, ENGINE_ACCOUNT_WAIT_S)
+    trace._write()
+
+
+def _num_computed(end: Finished | None, done: Done | None) -> int | None:
+    """Prompt tokens the request ran through the model: the engine's count, else (a first token came) the prompt
+    past what the prefix cache gave."""
+    if end is not None:
+        return end.num_prompt_computed
+    return done.num_prompt_tokens - done.num_cached_tokens if done is not None else None
 
 
 def _decode_fields(decode: dict[str, Any] | None, job: Job) -> dict[str, Any] | None:
@@ -135,8 +184,11 @@ async def start(daemon: Daemon, job: Job, endpoint: str, on_end: Callable[[Trace
         await prepare(daemon, job, receive)
         trace.prepare_s = round(time.monotonic() - trace.started, 4)
         jobs = siblings(job, n)
+        if job.engine_request is not None:  # the first choice's account (siblings are copies made before this)
+            job.engine_request.on_end = trace.engine_ended
         events = pipeline.stream(job)
         first = await anext(events, None)
+        trace.in_engine = job.engine_request is not None and first is not None
     except MlxdError as e:
         trace.fail(e)
         trace.log()
