@@ -288,7 +288,3 @@ class MessageDelta(Event, tag="message_delta", kw_only=True):
 
 class MessageStop(Event, tag="message_stop", kw_only=True):
     pass
-
-
-class Ping(Event, tag="ping", kw_only=True):
-    pass

@@ -150,7 +150,7 @@ EngineEvent = Token | Finished | Failed | Progress
 class RequestHandle:
     """The event-loop side of one submitted request.
 
-    The engine thread calls :meth:`push` (or :meth:`push_all`); the event loop iterates :meth:`events`. :meth:`cancel`
+    The engine thread calls :meth:`push_all`; the event loop iterates :meth:`events`. :meth:`cancel`
     asks the engine (on its own thread) to abort the request and release its memory.
 
     Events wait in a deque; a stream waiting for the next one awaits one future. The keepalive timer is not made and
@@ -170,10 +170,6 @@ class RequestHandle:
         self._waiting_since = 0.0  # loop time the current wait began
         self._timer: asyncio.TimerHandle | None = None  # the keepalive timer, armed while a stream may wait
         self.done = False
-
-    def push(self, event: EngineEvent) -> None:
-        """Thread-safe: called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._deliver, event)
 
     @staticmethod
     def push_all(events: list[tuple[RequestHandle, EngineEvent]]) -> None:

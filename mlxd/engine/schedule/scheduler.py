@@ -112,10 +112,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_feeding for s in self.decode) + sum(n for _, n in self.prefill)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 class Scheduler:
     """Owns the ``waiting`` and ``running`` queues; :meth:`schedule` plans one step."""
