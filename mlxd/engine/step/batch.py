@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.speculative.step import SpeculativeStep
+from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.step.penalties import CONTEXT, apply_penalties
 from mlxd.engine.step.prompts import same, sample
@@ -35,8 +36,14 @@ from mlxd.engine.step.target import forward
 class DecodeBatch:
     """The decoding requests, advanced together by :meth:`step`, one token each."""
 
-    def __init__(self, model: Any, share: Callable[[mx.array], mx.array] = same) -> None:
+    def __init__(self, model: Any, share: Callable[[mx.array], mx.array] = same,
+                 buckets: Buckets | None = None) -> None:
         self.model = model
+        # The widths plain steps run at (:mod:`mlxd.engine.step.buckets`); None: the rows' own number. The batched
+        # cache then holds ``_filler`` inert rows after the real ones: copies of the first row, fed token 0, whose
+        # outputs are dropped.
+        self.buckets = buckets
+        self._filler = 0
         # What every sampled token array passes through before it is fed or read (see :func:`same`).
         self.share = share
         self.rows: list[Row] = []
@@ -87,6 +94,7 @@ class DecodeBatch:
             self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
             self._rows_changed()
             return
+        real, current = list(range(len(rows))), len(rows)
         if not self.rows:
             self.cache, self.inputs = cache, first_tokens
         else:
@@ -95,11 +103,14 @@ class DecodeBatch:
             for mine, theirs in zip(self.cache, cache, strict=True):
                 mine.extend(theirs)
             self.inputs = mx.concatenate([self.inputs, first_tokens])
+            joined = len(self.rows) + self._filler  # the new rows come after the filler
+            real, current = list(range(len(self.rows))) + list(range(joined, joined + len(rows))), joined + len(rows)
         self.rows.extend(rows)
         self._rows_changed()
+        self._arrange(real, current)
 
     def _rows_changed(self) -> None:
-        self._positions = None
+        self._positions = None  # rebuilt at the next step, after the filler is known
         self.speculative = any(row.spec is not None for row in self.rows)
         self.wants_hidden = any(row.wants_hidden for row in self.rows)
         # What every plain step asks of the rows, found once per change of rows rather than once per step.
@@ -124,6 +135,7 @@ class DecodeBatch:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
         _release_drafts(self.rows)
         self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
+        self._filler = 0
         self._rows_changed()
 
     def remove(self, request_ids: set[str]) -> None:
@@ -131,6 +143,7 @@ class DecodeBatch:
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in request_ids]
         if len(keep) == len(self.rows):
             return
+        current = len(self.rows) + self._filler
         _release_drafts([row for row in self.rows if row.request_id in request_ids])
         self.rows = [self.rows[i] for i in keep]
         self._rows_changed()
@@ -140,10 +153,23 @@ class DecodeBatch:
         if len(keep) == 1:
             # Back to a plain cache: the lone stream runs unmasked again.
             self.cache = [c.extract(keep[0]) for c in self.cache]
+            self._filler = 0
         else:
-            for c in self.cache:
-                c.filter(mx.array(keep))
+            self._arrange(keep, current)
         self.inputs = self.inputs[mx.array(keep)]
+
+    def _arrange(self, real: list[int], current: int) -> None:
+        """Make the batched cache (``current`` rows now) hold the rows at indices ``real`` (in that order), then
+        the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
+        Speculative batches are not padded: their verify passes take any width."""
+        width = len(real)
+        if self.buckets is not None and not self.speculative:
+            width = self.buckets.width(width)
+        indices = real + [real[0]] * (width - len(real))
+        if indices != list(range(current)):
+            for c in self.cache:
+                c.filter(mx.array(indices))
+        self._filler = width - len(real)
 
     def step(self) -> list[list[int]]:
         """Advance every row; return each row's emitted tokens, in row order.
@@ -187,9 +213,10 @@ class DecodeBatch:
         inputs = self.inputs
         # The log-probabilities of the tokens fed in now, captured when they were sampled.
         previous = {row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
-        raw, hidden = forward(self.model, inputs[:, None], self.cache, hidden=self.wants_hidden,
+        fed = mx.concatenate([inputs, mx.zeros((self._filler,), dtype=inputs.dtype)]) if self._filler else inputs
+        raw, hidden = forward(self.model, fed[:, None], self.cache, hidden=self.wants_hidden,
                               **self.position_inputs())
-        raw = raw[:, -1, :]
+        raw = raw[: len(self.rows), -1, :] if self._filler else raw[:, -1, :]
         if hidden is not None:
             self.keep_hidden(hidden)
         logits = self._process(inputs, raw)
@@ -231,7 +258,7 @@ class DecodeBatch:
         if not self.uses_rope_deltas:
             return {}
         if self._positions is None:
-            deltas = [row.rope_delta for row in self.rows]
+            deltas = [row.rope_delta for row in self.rows] + [0] * self._filler
             needed = any(deltas) or not getattr(self.model, "has_text_twin", False)
             self._positions = {"rope_deltas": mx.array(deltas, dtype=mx.int32)[:, None]} if needed else {}
         return self._positions

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs
 from mlxd.engine.step.row import Row
 from mlxd.engine.step.target import forward
@@ -70,10 +71,12 @@ def group_bucket() -> int:
     return 1 if mx.default_device() == mx.cpu else GROUP_BUCKET
 
 
-def group_width(rows: list[Row], longest: int) -> int:
-    """The padded length of a group whose longest prompt has ``longest`` tokens. Sliding-window caches keep their
-    exact length: padding takes positions of their window."""
-    bucket = 1 if any(isinstance(c, RotatingKVCache) for c in rows[0].cache) else group_bucket()
+def group_width(rows: list[Row], longest: int, buckets: Buckets | None = None) -> int:
+    """The padded length of a group whose longest prompt has ``longest`` tokens: rounded up to
+    :func:`group_bucket`, or to :data:`GROUP_BUCKET` wherever batches are bucketed (``buckets`` given). Sliding-window
+    caches keep their exact length: padding takes positions of their window."""
+    multiple = GROUP_BUCKET if buckets is not None else group_bucket()
+    bucket = 1 if any(isinstance(c, RotatingKVCache) for c in rows[0].cache) else multiple
     return -(-longest // bucket) * bucket
 
 
@@ -84,23 +87,29 @@ def can_batch_prompts(rows: list[Row]) -> bool:
 
 
 def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
-                    share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
+                    share: Callable[[mx.array], mx.array] = same,
+                    buckets: Buckets | None = None) -> tuple[list[Any], mx.array]:
     """Run several whole prompts (rows with empty caches) through the model in one left-padded forward pass, of
-    :func:`group_width` positions.
+    :func:`group_width` positions, and of ``buckets.width(len(rows))`` rows when ``buckets`` is given (the first
+    prompt repeated in the filler rows, which are dropped after the pass).
 
     Returns the batched cache (rows in order) and the first generated token of each row, sampled lazily.
     """
-    width = group_width(rows, max(len(p) for p in prompts))
-    padding = [width - len(p) for p in prompts]
-    inputs = mx.array([[0] * pad + p for p, pad in zip(prompts, padding, strict=True)], dtype=mx.uint32)
-    cache = [layer.merge([row.cache[i] for row in rows]) for i, layer in enumerate(rows[0].cache)]
+    filler = _filler(buckets, len(rows))
+    padded_prompts = prompts + [prompts[0]] * filler
+    width = group_width(rows, max(len(p) for p in prompts), buckets)
+    padding = [width - len(p) for p in padded_prompts]
+    inputs = mx.array([[0] * pad + p for p, pad in zip(padded_prompts, padding, strict=True)], dtype=mx.uint32)
+    caches = [row.cache for row in rows] + [rows[0].cache] * filler
+    cache = [layer.merge([c[i] for c in caches]) for i, layer in enumerate(rows[0].cache)]
     for layer in cache:
         if isinstance(layer, ArraysCache):
             layer.left_padding = mx.array(padding)
         else:
             layer.prepare(left_padding=padding)
     logits, hidden = forward(model, inputs, cache, hidden=any(row.wants_hidden for row in rows))
-    logits = raw = logits[:, -1, :]
+    logits = raw = logits[: len(rows), -1, :]
+    _drop_filler(cache, len(rows), filler)
     for i, row in enumerate(rows):
         if row.wants_hidden:
             row.keep_hidden(hidden[i, padding[i] :])
@@ -108,6 +117,17 @@ def process_prompts(model: Any, rows: list[Row], prompts: list[list[int]],
         logits = mx.concatenate([row.process(mx.array(p, dtype=mx.uint32), logits[i : i + 1])
                                  for i, (row, p) in enumerate(zip(rows, prompts, strict=True))])
     return cache, first_tokens(rows, raw, logits, share)
+
+
+def _filler(buckets: Buckets | None, num_rows: int) -> int:
+    return buckets.width(num_rows) - num_rows if buckets is not None else 0
+
+
+def _drop_filler(cache: list[Any], num_rows: int, filler: int) -> None:
+    if filler:
+        keep = mx.arange(num_rows)
+        for layer in cache:
+            layer.filter(keep)
 
 
 def first_tokens(rows: list[Row], raw: mx.array, logits: mx.array, share: Callable[[mx.array], mx.array]) -> mx.array:
@@ -130,10 +150,13 @@ def can_continue_together(rows: list[Row]) -> bool:
 
 
 def process_continuations(model: Any, rows: list[Row], suffixes: list[list[int]],
-                          share: Callable[[mx.array], mx.array] = same) -> tuple[list[Any], mx.array]:
+                          share: Callable[[mx.array], mx.array] = same,
+                          buckets: Buckets | None = None) -> tuple[list[Any], mx.array]:
     """Run the rest of several prompts in one forward pass, each row's cache already holding the prompt's start
-    (a prefix-cache hit; lengths may differ): :func:`right_padded_pass`."""
-    return right_padded_pass(model, rows, suffixes, share)
+    (a prefix-cache hit; lengths may differ): :func:`right_padded_pass`, of :func:`group_width` positions and, with
+    ``buckets``, of bucketed rows (as :func:`process_prompts`)."""
+    return right_padded_pass(model, rows, suffixes, share, buckets=buckets,
+                             width=group_width(rows, max(len(s) for s in suffixes), buckets))
 
 
 # The per-prompt inputs a vision row's prompt may carry and still share a pass (Qwen-VL positions, deepstack).
@@ -184,15 +207,18 @@ def _padded_extras(extras: list[dict[str, Any]], right: list[int]) -> dict[str, 
     return out
 
 
-def _right_padding(prompts: list[list[int]]) -> list[int]:
-    longest = max(len(p) for p in prompts)
+def _right_padding(prompts: list[list[int]], width: int = 0) -> list[int]:
+    longest = max(width, *(len(p) for p in prompts))
     return [longest - len(p) for p in prompts]
 
 
 def right_padded_pass(model: Any, rows: list[Row], prompts: list[list[int]],
-                      share: Callable[[mx.array], mx.array] = same, **inputs: Any) -> tuple[list[Any], mx.array]:
+                      share: Callable[[mx.array], mx.array] = same, *, buckets: Buckets | None = None,
+                      width: int = 0, **inputs: Any) -> tuple[list[Any], mx.array]:
     """Run ``prompts`` (each the next tokens of its row: a whole prompt into an empty cache, or the rest after a
-    cached start) in one forward pass, with the model ``inputs`` given (already right-padded).
+    cached start) in one forward pass, with the model ``inputs`` given (already right-padded), of at least
+    ``width`` positions; with ``buckets`` (text only: no ``inputs``), of bucketed rows, the first row's cache and
+    prompt repeated in the filler rows, which are dropped after the pass.
 
     The rows' caches are merged left-padded (cached lengths may differ); the prompts go in right-padded, and mlx-lm's
     ``BatchKVCache`` then rolls each row's right padding to its left (``prepare(right_padding=...)``,
@@ -200,15 +226,19 @@ def right_padded_pass(model: Any, rows: list[Row], prompts: list[list[int]],
     row's real positions from seeing its right padding. Returns the batched cache and each row's first generated
     token, sampled lazily from the logits at its last real position.
     """
-    right = _right_padding(prompts)
-    tokens = mx.array([p + [0] * pad for p, pad in zip(prompts, right, strict=True)], dtype=mx.uint32)
-    cache = [layer.merge([row.cache[i] for row in rows]) for i, layer in enumerate(rows[0].cache)]
+    filler = _filler(buckets, len(rows))
+    padded_prompts = prompts + [prompts[0]] * filler
+    right = _right_padding(padded_prompts, width)
+    tokens = mx.array([p + [0] * pad for p, pad in zip(padded_prompts, right, strict=True)], dtype=mx.uint32)
+    caches = [row.cache for row in rows] + [rows[0].cache] * filler
+    cache = [layer.merge([c[i] for c in caches]) for i, layer in enumerate(rows[0].cache)]
     for layer in cache:
         layer.prepare(right_padding=right)
     logits, _ = forward(model, tokens, cache, **inputs)
     raw = logits[mx.arange(len(rows)), mx.array([len(p) - 1 for p in prompts])]
     for layer in cache:
         layer.finalize()
+    _drop_filler(cache, len(rows), filler)
     return cache, first_tokens(rows, raw, raw, share)
 
 

@@ -25,6 +25,7 @@ from mlxd.engine.schedule.scheduler import Scheduler
 from mlxd.engine.speculative.state import SpecState
 from mlxd.engine.speculative.step import check_drafter
 from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.buckets import make_buckets
 from mlxd.engine.step.prompts import (
     can_batch_prompts,
     can_batch_vision_prompts,
@@ -67,7 +68,9 @@ class StepRunner:
         self.vocab_size = logits_width(self.model)
         if self.drafter is not None:
             check_drafter(self.drafter, self.model, self.config, self.vocab_size)
-        warm_up_shapes(self.model, self.config)
+        setting = self.config.batch_buckets
+        self.batch.buckets = make_buckets(self.config.max_running, None if setting == "auto" else setting == "on")
+        warm_up_shapes(self.model, self.config, buckets=self.batch.buckets)
         if self.drafter is not None:
             warm_up_verify(self.model, self.config)
 
@@ -195,20 +198,20 @@ class StepRunner:
         now = time.monotonic()
         for submitted in group:
             submitted.started_at = now
-        share = self.batch.share
+        share, buckets = self.batch.share, self.batch.buckets
         if group[0].state.num_prefilled:
             for submitted in [s for s in group if s.request.keep_prompt]:
                 self._prefill(submitted, submitted.state.num_prompt_remaining)
             self._run_group([s for s in group if not s.request.keep_prompt], can_continue_together,
                             lambda rows, subs: process_continuations(
                                 self.model, rows, [s.request.prompt[s.state.num_prefilled:] for s in subs],
-                                share=share))
+                                share=share, buckets=buckets))
         elif group[0].request.media is not None:
             self._run_group(group, can_batch_vision_prompts, lambda rows, subs: process_vision_prompts(
                 self.model, rows, [s.request.prompt for s in subs], share=share))
         else:
             self._run_group(group, can_batch_prompts, lambda rows, subs: process_prompts(
-                self.model, rows, [s.request.prompt for s in subs], share=share))
+                self.model, rows, [s.request.prompt for s in subs], share=share, buckets=buckets))
 
     def _run_group(self, group: list[Submitted], can_group: Callable[[list[Row]], bool],
                    run: Callable[[list[Row], list[Submitted]], tuple[list[Any], mx.array]]) -> None:

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.padded import BUCKET, pad_verify
 from mlxd.engine.step.prompts import (
     GROUP_BUCKET,
@@ -40,67 +41,94 @@ GROUP_PROMPT_LENGTHS = tuple(GROUP_BUCKET * i for i in (1, 2, 3, 4))
 _SHORT_PROMPT = [1, 2, 3, 4]
 
 
-def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = None) -> None:
+def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = None,
+                   buckets: Buckets | None = None) -> None:
     """Run the shapes serving uses, with greedy rows on the calling thread's stream, and leave nothing behind:
-    MLX's buffer cache is cleared after each phase and each group size, since buffers of one size's shapes are not
+    MLX's buffer cache is cleared after each phase and each group width, since buffers of one width's shapes are not
     reused by the next (on an H100 with a Qwen3-8B shape the groups left 44 GB cached, and a server sharing the
     GPU with another ran out of memory in its warm-up).
 
-    ``every_shape`` (default: on GPU backends, which build kernels per shape; not on the CPU, where nothing is built
-    per shape and the full set costs minutes with a real model): warm everything below. Otherwise a prompt chunk
+    ``every_shape`` (default: on GPU backends, which build kernels per shape, and wherever ``buckets`` are given;
+    not on the CPU otherwise, where nothing is built per shape and the full set costs minutes with a real model):
+    warm everything below. Otherwise a prompt chunk
     and decode batches of powers of two (and ``max_running``) only: enough to fail at start-up, not in a request.
 
-    Warmed, for ``n = config.max_running``:
+    The widths warmed, ``W``: with ``buckets`` (what serving pads batches to, :mod:`mlxd.engine.step.buckets`),
+    its widths, 1, 2, 4, 8, 16, 24, ... ``n = config.max_running``; without, every width 1..n. Warmed:
 
     - prompt chunks: a full ``prefill_chunk``, then a partial last chunk continuing it (attention over cached
       positions, and the first token sampled);
-    - decode batches of every size 1..n, reached by rows joining one at a time (``add``: the lone row's cache
-      merged at 2, ``extend`` beyond), with ``warmup_tokens`` steps at each size;
+    - decode batches at every width of ``W``, reached by rows joining one at a time (``add``: the lone row's cache
+      merged at 2, ``extend`` beyond, then padded to the bucket), with ``warmup_tokens`` steps at each width;
     - rows leaving one at a time (``filter``, then ``extract`` back to a lone row), and a row's cache taken out of
       the batch (``row_cache``), as the prefix cache does when a request ends;
-    - whole prompts processed together (:func:`process_prompts`), groups of every size 2..n at each length of
-      :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch and,
-      below n, a batch of one row (``extend``), with two decode steps each, then leaving;
+    - whole prompts processed together (:func:`process_prompts`), groups at every width of ``W`` above 1 and each
+      length of :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch,
+      and, at the shortest length and below n, a batch of one row (``extend``), with two decode steps each, then
+      leaving;
     - the rests of prompts that start from cached states, processed together (:func:`process_continuations`),
-      groups of every size 2..n (cached lengths and rests differing), each with one decode step.
+      groups at every width of ``W`` above 1, each with one decode step.
 
-    The trade-off: rows leaving run the cache copies only, not a decode step (the decode shapes are those of the
-    first phase), and groups use short prompts. MLX's CUDA backend builds work per exact
-    shape of a pass; groups of prompts up to 64 tokens are padded to the widths warmed here, but longer groups, a last
-    chunk's length and a lone prompt's length take any value, so those of the prompts that come are not all warmed;
-    what is, is every batch size, and each kind of pass once. Not warmed either: samplers other than greedy (mlx-lm
-    compiles them per temperature and filter value, so no one value covers the requests that come), logits
-    processors, speculative steps and vision rows.
+    With buckets, serving then meets no decode width and no group width that warm-up did not (groups at the
+    lengths warmed: multiples of 16 up to 64 on GPU backends). Not warmed: groups of longer prompts, a lone
+    prompt's own length and a last chunk's, samplers other than greedy (mlx-lm compiles them per temperature and
+    filter value), logits processors, speculative steps (:func:`warm_up_verify`) and vision rows.
 
-    The cost is ``n * warmup_tokens + 16n - 24`` decode steps and ``9n - 11`` prompt passes, ``8n - 12`` of them
-    groups (about ``160 * n * n`` prompt tokens in all). At ``max_running`` 16, on a 2-core CPU with everything
-    forced on: 8.8-9.9 s with the tiny test model and 36-46 s with the benchmark's tiny model (hidden size 128, 4
-    layers), against 3.2-4.9 s and 16-24 s without the decode steps after groups, and 0.2 s and 1.0-1.6 s for what
-    the CPU runs by default. On an H100, Qwen3-8B shape: 51-52 s in the first process on a freshly started machine
-    (kernels compiled), 21-24 s in later processes (17-21 s without the decode steps after groups).
+    The cost, for ``m = len(W)``, ``L`` group lengths (4, fewer when ``prefill_chunk`` is below 64) and
+    ``T = warmup_tokens`` (:func:`count_passes`): ``n + 1 + L (m - 1) + 2m`` prompt passes, ``(L + 2)(m - 1) - 1``
+    of them groups, and ``T m + 2 (L (m - 1) + m - 2) + m - 1`` decode steps; about ``176 * sum(W)`` prompt tokens.
+    With buckets at n = 128: m = 19, 239 prompt passes (107 groups), ``19 T + 196`` decode steps, about 190,000
+    prompt tokens, where warming every width took ``9n - 11`` = 1,141 passes, ``n T + 16n - 24`` = 2,536 steps at
+    T = 4 and ``160 n^2`` = 2.6 million prompt tokens. Every width at n = 16 measured 21-24 s on an H100 (Qwen3-8B
+    shape, kernels compiled by an earlier process; 51-52 s in the first), 202 s at 64 on an H200.
     """
-    batch = DecodeBatch(model)
-    every_shape = mx.default_device() != mx.cpu if every_shape is None else every_shape
-    n = config.max_running
-    num_steps = 2 * n + 1 if every_shape else n  # rows joining, then (every shape) leaving, groups, continuations
-    _join_one_by_one(model, config, batch, every_shape, num_steps)
+    batch = DecodeBatch(model, buckets=buckets)
+    if every_shape is None:
+        every_shape = mx.default_device() != mx.cpu or buckets is not None
+    widths = warmed_widths(config.max_running, buckets)
+    stepped = widths if every_shape else _powers(widths)
+    num_steps = len(stepped) + 2 if every_shape else len(stepped)  # joining, then leaving, groups, continuations
+    _join_one_by_one(model, config, batch, stepped, num_steps)
     mx.clear_cache()
     if every_shape:
         _leave_one_by_one(batch)
-        progress.step(n + 1, num_steps)
-        _join_in_groups(model, config, batch, num_steps)
-        _continue_in_groups(model, config)
+        _join_in_groups(model, config, batch, widths)
+        progress.step(len(widths) + 1, num_steps)
+        _continue_in_groups(model, config, widths, buckets)
         progress.step(num_steps, num_steps)
     mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
     batch.clear()
     mx.clear_cache()
 
 
-def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, every_shape: bool,
+def warmed_widths(max_running: int, buckets: Buckets | None) -> tuple[int, ...]:
+    """The batch widths warm-up meets: the buckets', else every width 1..``max_running``."""
+    return buckets.widths if buckets is not None else tuple(range(1, max_running + 1))
+
+
+def group_lengths(config: EngineConfig) -> list[int]:
+    """The padded lengths prompt groups are warmed at (capped at a chunk)."""
+    return sorted({min(n, config.prefill_chunk) for n in GROUP_PROMPT_LENGTHS})
+
+
+def count_passes(config: EngineConfig, buckets: Buckets | None) -> tuple[int, int, int]:
+    """``(prompt passes, of them groups, decode steps)`` that :func:`warm_up_shapes` runs with every shape (the
+    formula of its docstring), for models whose caches can be grouped and continued together."""
+    n, m, lengths = config.max_running, len(warmed_widths(config.max_running, buckets)), len(group_lengths(config))
+    groups = lengths * (m - 1) + max(0, m - 2) + (m - 1)
+    prompts = 2 + (n - 1) + 3 * (m > 1) + groups
+    steps = config.warmup_tokens * m + 2 * (lengths * (m - 1) + max(0, m - 2)) + (m - 1)
+    return prompts, groups, steps
+
+
+def _powers(widths: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(w for w in widths if w & (w - 1) == 0 or w == widths[-1])
+
+
+def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, stepped: tuple[int, ...],
                      num_phase_steps: int) -> None:
     """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``, with decode steps at
-    every size (only at powers of two and the largest, unless ``every_shape``); each size is a step of the
-    start-up phase's ``num_phase_steps``."""
+    the sizes in ``stepped``; each size stepped is a step of the start-up phase's ``num_phase_steps``."""
     num_steps = max(1, config.warmup_tokens)
     chunk = config.prefill_chunk
     row = _row(model, config, 0)
@@ -111,10 +139,9 @@ def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, every
     for i in range(1, config.max_running):
         row = _row(model, config, i)
         batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
-        size = i + 1
-        if every_shape or size & (size - 1) == 0 or size == config.max_running:
+        if i + 1 in stepped:
             _steps(batch, num_steps)
-        progress.step(size, num_phase_steps)
+            progress.step(stepped.index(i + 1) + 1, num_phase_steps)
 
 
 def _leave_one_by_one(batch: DecodeBatch) -> None:
@@ -125,21 +152,22 @@ def _leave_one_by_one(batch: DecodeBatch) -> None:
         _evaluate(batch)
 
 
-def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch, num_phase_steps: int) -> None:
-    """Groups of 2..max_running whole prompts, at every width, join an empty batch and ``batch`` (which holds one
-    row; not for a full group), decode two steps there and leave. The first decode step after a group joins grows
-    the batched cache, and MLX's CUDA backend builds that step's graphs once per batch size and width (they last
-    while its graph cache holds them, which :mod:`mlxd.runtime.cuda` makes room for): on an H100
-    (Qwen3-8B shape) a group of 16 rows of 27 tokens joining an empty batch took 34-70 ms for that step when
-    warm-up had not run it (six processes), 12-18 ms when it had (six), as much as the steps after it."""
-    lengths = sorted({min(n, config.prefill_chunk) for n in GROUP_PROMPT_LENGTHS})
-    for size in range(2, config.max_running + 1):
+def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch, widths: tuple[int, ...]) -> None:
+    """Groups of whole prompts at every width of ``widths`` above 1 join an empty batch and (at the shortest length,
+    not for a full group) ``batch``, which holds one row; they decode two steps there and leave. The first decode
+    step after a group joins grows the batched cache, and MLX's CUDA backend builds that step's graphs once per
+    batch size and width (they last while its graph cache holds them, which :mod:`mlxd.runtime.cuda` makes room
+    for): on an H100 (Qwen3-8B shape) a group of 16 rows of 27 tokens joining an empty batch took 34-70 ms for that
+    step when warm-up had not run it (six processes), 12-18 ms when it had (six), as much as the steps after it."""
+    lengths = group_lengths(config)
+    for size in widths[1:]:
         for length in lengths:
-            hosts = [DecodeBatch(model)] + ([batch] if size < config.max_running else [])
+            hosts = [DecodeBatch(model, buckets=batch.buckets)]
+            if length == lengths[0] and size < config.max_running:
+                hosts.append(batch)
             if not all(_join_and_leave(model, config, host, size, length) for host in hosts):
                 return
-        progress.step(config.max_running + size, num_phase_steps)
-        mx.clear_cache()  # every size leaves buffers of shapes no later size reuses: 44 GB on an H100 (Qwen3-8B)
+        mx.clear_cache()  # every width leaves buffers of shapes no later one reuses: 44 GB on an H100 (Qwen3-8B)
 
 
 def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: int, length: int) -> bool:
@@ -148,7 +176,8 @@ def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: i
     rows = [_row(model, config, f"group-{size}-{length}-{len(host)}-{i}") for i in range(size)]
     if not can_batch_prompts(rows):
         return False
-    cache, first = process_prompts(model, rows, [_tokens(max(1, length - i % 2)) for i in range(size)])
+    prompts = [_tokens(max(1, length - i % 2)) for i in range(size)]
+    cache, first = process_prompts(model, rows, prompts, buckets=host.buckets)
     host.add_batch(rows, cache, first)
     _steps(host, 2)
     host.remove({row.request_id for row in rows})
@@ -156,19 +185,28 @@ def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: i
     return True
 
 
-def _continue_in_groups(model: Any, config: EngineConfig) -> None:
-    """Groups of 2..max_running rows, each holding a cached prefix of its own length, run the rests of their
-    prompts in one pass (:func:`process_continuations`: merged caches, right padding rolled left), join an empty
-    batch for one decode step, then leave. On an H100 the first such pass after start-up took 10.9 s building its
-    kernels when nothing had run it before."""
-    for size in range(2, config.max_running + 1):
+def _continue_in_groups(model: Any, config: EngineConfig, widths: tuple[int, ...], buckets: Buckets | None) -> None:
+    """Groups at every width of ``widths`` above 1, each row holding a cached prefix (of 4, 5 or 6 tokens: three
+    lone passes, whose caches the rows share, since merging only reads them), run the rests of their prompts in one
+    pass (:func:`process_continuations`: merged caches, right padding rolled left), join an empty batch for one
+    decode step, then leave. On an H100 the first such pass after start-up took 10.9 s building its kernels when
+    nothing had run it before."""
+    if len(widths) < 2:
+        return
+    prefixes = []
+    for i in range(3):
+        row = _row(model, config, f"prefix-{i}")
+        process_prompt(model, row, _tokens(4 + i), last=False)
+        prefixes.append(row.cache)
+    for size in widths[1:]:
         rows = [_row(model, config, f"continue-{size}-{i}") for i in range(size)]
         for i, row in enumerate(rows):
-            process_prompt(model, row, _tokens(4 + i % 3), last=False)
+            row.cache = prefixes[i % 3]
         if not can_continue_together(rows):
             return
-        host = DecodeBatch(model)
-        host.add_batch(rows, *process_continuations(model, rows, [_tokens(1 + i % 2) for i in range(size)]))
+        host = DecodeBatch(model, buckets=buckets)
+        host.add_batch(rows, *process_continuations(model, rows, [_tokens(1 + i % 2) for i in range(size)],
+                                                    buckets=buckets))
         host.step()
         mx.eval(host.inputs)
         host.clear()

@@ -1,0 +1,133 @@
+"""Batch-width buckets against oracles: with buckets on (forced on the CPU), every decode step and every group of
+prompts the engine runs while serving a random mix of arrivals, groups and departures has a (rows, positions) shape
+that warm-up ran; each request's greedy tokens equal its solo ``generate_step`` output, padded rows or not; and
+warm-up's pass count follows its formula, bounded at ``max_running`` 128."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, SamplingParams
+from mlxd.engine.engine import BatchedEngine
+from mlxd.engine.step.batch import DecodeBatch
+from mlxd.engine.step.buckets import Buckets, bucket_widths, make_buckets
+from mlxd.engine.step.prompts import process_prompt, process_prompts
+from mlxd.engine.step.row import Row
+from mlxd.engine.step.warmup import count_passes, warm_up_shapes
+from tests.test_batched_engine import CountingModel, collect_tokens
+from tests.test_warmup import RecordingModel
+
+MAX_RUNNING = 24
+
+
+def solo(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def test_widths_are_powers_of_two_to_eight_then_multiples_of_eight():
+    assert bucket_widths(128) == (1, 2, 4, 8, *range(16, 129, 8))
+    assert bucket_widths(24) == (1, 2, 4, 8, 16, 24)
+    assert bucket_widths(20) == (1, 2, 4, 8, 16, 20)
+    assert bucket_widths(1) == (1,)
+    buckets = Buckets(24)
+    assert [buckets.width(n) for n in (1, 2, 3, 5, 9, 16, 17, 24, 30)] == [1, 2, 4, 8, 16, 16, 24, 24, 30]
+    assert make_buckets(24, enabled=False) is None and make_buckets(24, enabled=True) == buckets
+    assert make_buckets(24) is (None if mx.default_device() == mx.cpu else make_buckets(24))
+
+
+@pytest.fixture(params=["llama", "qwen3_next"])
+def model(request, tiny_model_dir, tiny_qwen3_next_dir):
+    return load(str(tiny_model_dir if request.param == "llama" else tiny_qwen3_next_dir))[0]
+
+
+def test_padded_batches_give_each_row_its_solo_greedy_tokens(model):
+    """Rows of mixed prompt lengths join one at a time and as a padded group, leave in between, and every row's
+    tokens equal its solo run; the model only ever sees bucket widths."""
+    recording = RecordingModel(model)
+    buckets = Buckets(8)
+    batch = DecodeBatch(recording, buckets=buckets)
+    prompts = [[5 + i + j for j in range(3 + 4 * i)] for i in range(7)]
+    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(7)]
+    tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            for row, emitted in zip(batch.rows, batch.step(), strict=True):
+                tokens[row.request_id] += emitted
+
+    for row, prompt in zip(rows[:3], prompts[:3], strict=True):  # widths 1, 2, then 3 rows padded to 4
+        batch.add(row, process_prompt(recording, row, prompt, last=True))
+        steps(2)
+    batch.add_batch(rows[3:], *process_prompts(recording, rows[3:], prompts[3:], buckets=buckets))  # 4 padded to 8
+    steps(3)
+    batch.remove({"r1", "r4"})  # 5 rows, still 8 wide
+    steps(2)
+    batch.remove({"r0", "r2", "r5"})  # 2 rows, no filler
+    steps(1)
+    assert {batch for batch, _ in recording.shapes} <= set(bucket_widths(8))
+    assert (8, 1) in recording.shapes and (4, 1) in recording.shapes  # a group of 4 ran 8 wide; 3 rows ran 4 wide
+    for row, prompt in zip(rows, prompts, strict=True):
+        got = tokens[row.request_id]
+        assert got == solo(model, prompt, len(got)), row.request_id
+
+
+def test_serving_meets_only_shapes_warm_up_ran(tiny_model_dir):
+    """Warm-up with buckets forced on records its shapes; then random waves of requests (prompts of 3-60 tokens,
+    1-12 tokens each, so rows join alone and in groups and leave at random) must meet no decode width and no
+    group shape outside them, and each request gives its solo greedy tokens."""
+    model, _ = load(str(tiny_model_dir))
+    counting = CountingModel(model)
+    config = EngineConfig(max_running=MAX_RUNNING, max_waiting=128, step_token_budget=2048, prefill_chunk=128,
+                          prefix_cache_bytes=0, warmup_tokens=1, batch_buckets="on")
+    engine = BatchedEngine(counting, config)
+    engine.start()
+    rng = random.Random(35)
+    requests = [EngineRequest(request_id=f"r{i}", prompt=[rng.randrange(3, 900) for _ in range(rng.randint(3, 60))],
+                              max_tokens=rng.randint(1, 12), prefill_chunk=128)
+                for i in range(80)]
+    try:
+        warm = {(c.batch, c.length) for c in counting.calls}
+        counting.calls.clear()
+
+        async def serve() -> list[list[int]]:
+            async def later(request: EngineRequest, delay: float) -> list[int]:
+                await asyncio.sleep(delay)
+                return await collect_tokens(engine, request)
+
+            delays = [rng.choice((0.0, 0.0, 0.05, 0.1, 0.2, 0.3)) for _ in requests]
+            return await asyncio.gather(*(later(r, d) for r, d in zip(requests, delays, strict=True)))
+
+        together = asyncio.run(serve())
+    finally:
+        engine.stop()
+    served = [(c.batch, c.length) for c in counting.calls]
+    decode = {shape for shape in served if shape[1] == 1}
+    groups = {shape for shape in served if shape[0] > 1 and shape[1] > 1}
+    assert len(decode) > 3 and groups, (decode, groups)  # the mix reached several widths and grouped prompts
+    assert decode <= warm, decode - warm
+    assert groups <= warm, groups - warm
+    for request, got in zip(requests, together, strict=True):
+        assert got == solo(model, request.prompt, request.max_tokens), request.request_id
+
+
+def test_warm_up_passes_follow_the_formula_and_stay_bounded_at_128(tiny_model_dir):
+    model = load(str(tiny_model_dir))[0]
+    config = EngineConfig(max_running=MAX_RUNNING, prefill_chunk=64, warmup_tokens=2)
+    recording = RecordingModel(model)
+    warm_up_shapes(recording, config, buckets=Buckets(MAX_RUNNING))
+    prompts = [shape for shape in recording.shapes if shape[1] > 1]
+    counted = (len(prompts), sum(1 for b, _ in prompts if b > 1), sum(1 for _, n in recording.shapes if n == 1))
+    assert counted == count_passes(config, Buckets(MAX_RUNNING))
+    # n + 1 + L (m - 1) + 2m prompt passes, T m + 2 (L (m - 1) + m - 2) + m - 1 decode steps (m widths, L lengths)
+    wide = EngineConfig(max_running=128, warmup_tokens=4)
+    assert count_passes(wide, Buckets(128)) == (128 + 1 + 4 * 18 + 2 * 19, 4 * 18 + 2 * 19 - 3, 4 * 19 + 2 * 89 + 18)
+    every = count_passes(wide, None)
+    assert every[0] > 3 * count_passes(wide, Buckets(128))[0] and every[2] > 6 * count_passes(wide, Buckets(128))[2]
