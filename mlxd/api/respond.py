@@ -99,12 +99,13 @@ class Trace:
     def log(self) -> None:
         """Write the request's log line (never the prompt or the text), then call ``on_end``.
 
-        A request the engine took on and has not let go yet (its client left, a stop sequence ended it) is
-        logged once the engine's account comes (it applies the cancellation between steps), or after
-        ``ENGINE_ACCOUNT_WAIT_S`` without it: the line then says what its prompt got from the prefix cache and
-        computed, and how long it queued and prefilled, whether or not a first token came."""
+        A request that ended without its final event (its client left, a failure mid-stream) while the engine
+        still holds it is logged once the engine's account comes (it applies the cancellation between steps), or
+        after ``ENGINE_ACCOUNT_WAIT_S`` without it: the line then says what its prompt got from the prefix cache
+        and computed, and how long it queued and prefilled, whether or not a first token came. ``total_s`` is the
+        time the client was served: until it left."""
         self._logged_at = time.monotonic()
-        if not self.in_engine or self.engine_end is not None:
+        if self.done is not None or not self.in_engine or self.engine_end is not None:
             self._write()
             return
         waited = asyncio.get_running_loop().create_future()
