@@ -130,8 +130,13 @@ def test_a_configured_width_is_kept_and_said_to_come_from_the_config(tiny_model_
         engine.stop()
 
 
-def test_a_gpu_cap_holds_the_derived_width_where_warm_up_meets_every_width():
+def test_on_a_gpu_the_derived_width_reaches_64_now_that_warm_up_visits_buckets_only():
+    """An H200 (and an H100: about 88 rows of 4,096 tokens) beside a bf16 8B model gets 64 rows, the same cap as
+    elsewhere; a device with room for fewer still gets what fits."""
+    assert MAX_DERIVED_RUNNING_GPU == 64
     budget = MemoryBudget(limit_bytes=int(139 * GiB * 0.9), weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV)
-    assert derive_max_running(budget, prefix_cache_bytes=2 * GiB, cap=MAX_DERIVED_RUNNING_GPU).max_running == 16
+    assert derive_max_running(budget, prefix_cache_bytes=2 * GiB, cap=MAX_DERIVED_RUNNING_GPU).max_running == 64
+    h100 = MemoryBudget(limit_bytes=int(80 * GB * 0.9), weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV)
+    assert derive_max_running(h100, prefix_cache_bytes=2 * GiB, cap=MAX_DERIVED_RUNNING_GPU).max_running == 64
     small = MemoryBudget(limit_bytes=int(10.7 * GB), weights_bytes=int(4.6 * GB), kv=QWEN3_8B_KV)
     assert derive_max_running(small, prefix_cache_bytes=0, cap=MAX_DERIVED_RUNNING_GPU).max_running == 8

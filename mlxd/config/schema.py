@@ -131,7 +131,7 @@ class EngineConfig(Base):
     type: Literal["batched"] = "batched"
     # Requests decoding together in one batch; more wait in the queue. 0: derived at start-up from the memory
     # budget (rows of 4096 tokens that fit beside the weights and the prefix cache, a power of two up to 64), and
-    # logged as `max_running` with its source and inputs. At most 1024: warm-up builds every batch size up to it.
+    # logged as `max_running` with its source and inputs. At most 1024.
     max_running: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     # Requests allowed to wait for a running slot; beyond this new requests get 429 with Retry-After.
     max_waiting: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64

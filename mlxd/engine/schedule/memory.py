@@ -190,10 +190,13 @@ TYPICAL_CONTEXT_TOKENS = 4096
 # The derived value is rounded down to a power of two and kept at most this: a shared server's load is 32-64
 # streams. Set [engine] max_running for more.
 MAX_DERIVED_RUNNING = 64
-# On GPU backends, at most this until warm-up covers widths by buckets: warm-up meets every batch width up to
-# max_running there (202 s at 64 rows on an H200 with Qwen3-8B, against 40 s at 16), and the 64-row step measured
-# then delivered less than 16 rows did (329 against 654-908 tok/s at 64 streams).
-MAX_DERIVED_RUNNING_GPU = 16
+# On GPU backends the same 64. It was 16 while warm-up met every batch width up to max_running (202 s at 64 rows on
+# an H200 with Qwen3-8B); decode steps and prompt groups now run at bucketed widths (mlxd.engine.step.buckets), and
+# warm-up visits those only: 12 widths at 64 rows (1, 2, 4, 8, 16, 24, ... 64), 127 prompt passes and 152 decode
+# steps, where every width took 565 and 1,256. An H100 (80 GB, 0.9 of it the limit) beside a bf16 8B model holds
+# about 88 rows of 4,096 tokens, an H200 about 190: both get 64. With [engine] batch_buckets = "off" warm-up meets
+# every width again: set [engine] max_running there.
+MAX_DERIVED_RUNNING_GPU = 64
 
 
 @dataclass(frozen=True, slots=True)
