@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import msgspec
 
+from mlxd.cache.prefix_cache import Hit
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Plain, SamplingParams
 from mlxd.engine.commands import (
@@ -238,7 +239,8 @@ class EngineCore:
         try:
             if submitted.request.media is not None and vision is not None:
                 submitted.state.encoding = vision.hold(submitted.request)
-            self._reuse_prefix(submitted)
+            submitted.cache_key = prompt_key(submitted.request)
+            self._start_after(submitted, self.reuse.lookup(submitted.cache_key))
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
             with self.table.lock:
                 self.table.pending.pop(request_id, None)
@@ -248,11 +250,11 @@ class EngineCore:
             self.table.pending.pop(request_id, None)
             self.scheduler.add(submitted.state)
 
-    def _reuse_prefix(self, submitted: Submitted) -> None:
-        """Start the prompt after the longest state the prefix cache holds for it."""
+    def _start_after(self, submitted: Submitted, hit: Hit) -> None:
+        """Start the prompt after the longest state the prefix cache holds for it (``hit``; a miss: at its start).
+        That may be where an earlier request with the same prompt stopped when its client left: the chunks it
+        finished were kept (:meth:`mlxd.engine.prefix.PromptReuse.keep`)."""
         state = submitted.state
-        submitted.cache_key = prompt_key(submitted.request)
-        hit = self.reuse.lookup(submitted.cache_key)
         state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
         if hit.cache is None:
             return
