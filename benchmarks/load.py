@@ -6,9 +6,12 @@ Measures, in one run and on one model:
 * OpenAI-compatible servers through HTTP with streaming clients: mlxd, ``mlx_lm.server`` and, when given a Python
   that has it, vllm-mlx.
 
-Per server and concurrency: mean time to first token, median inter-token latency and aggregate tokens/s (completion
-tokens / (last token time − first token time), over all streams). Prompts are distinct per client and chosen so that
-greedy decoding does not hit an end-of-sequence token within ``--max-tokens``, so every stream runs to its length.
+Per server and concurrency: mean time to first token, median inter-token latency and aggregate tokens/s: completion
+tokens of all streams / (last token − first request sent), prefill included, as a user waits for it. mlx-lm's own
+figures (``generate_step``, ``BatchGenerator``) are decode only: tokens / (last token − first token). Every run has
+prompts of its own, seen by no earlier request (no prefix cache serves a round from the one before), distinct per
+client and chosen so that greedy decoding does not hit an end-of-sequence token within ``--max-tokens``, so every
+stream runs to its length; ``--prompt-words`` sets their length.
 
 For mlxd (and the baseline mlxd), the first pass at the highest concurrency right after ``/health`` turns 200 is
 reported apart, beside the pass that follows it (median time to first token, aggregate tokens/s): what warm-up
@@ -68,20 +71,26 @@ def story_prompt(i: int, words: int = 8) -> str:
     return f"Request {i}: tell me a long story about the sea, the stars and the number {i * 7}. {tags}"
 
 
-def pick_prompts(model, tokenizer, count: int, max_tokens: int) -> list[str]:
-    """Distinct prompts whose greedy continuation runs ``max_tokens`` without an end-of-sequence token."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+def pick_prompts(model, tokenizer, count: int, max_tokens: int, words: int = 8) -> list[str]:
+    """Distinct prompts whose greedy continuation runs ``max_tokens`` without an end-of-sequence token, checked in
+    batches (mlx-lm's ``BatchGenerator``), so that hundreds of prompts cost seconds, not minutes."""
+    from mlx_lm.generate import BatchGenerator
 
     eos = set(tokenizer.eos_token_ids)
-    prompts, i = [], 0
+    prompts: list[str] = []
+    start = 0
     while len(prompts) < count:
-        prompt = story_prompt(i)
-        i += 1
-        tokens = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=max_tokens)]
-        if not eos & set(tokens):
-            prompts.append(prompt)
-        if i > 50 * count:
+        batch = [story_prompt(i, words) for i in range(start, start + min(64, 2 * (count - len(prompts)) + 4))]
+        start += len(batch)
+        generator = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(batch),
+                                   prefill_batch_size=len(batch))
+        uids = generator.insert([tokenizer.encode(p) for p in batch], max_tokens=[max_tokens] * len(batch))
+        ended = set()
+        while responses := generator.next_generated():
+            ended.update(r.uid for r in responses if r.token in eos)
+        generator.close()
+        prompts += [p for uid, p in zip(uids, batch, strict=True) if uid not in ended][: count - len(prompts)]
+        if start > 50 * count:
             raise RuntimeError("could not find prompts that avoid end-of-sequence tokens")
     return prompts
 
@@ -149,12 +158,13 @@ async def stream_one(port: int, model: str, prompt: str, max_tokens: int) -> tup
 async def http_load(label: str, port: int, model: str, prompts: list[str], max_tokens: int) -> Result:
     runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens) for p in prompts])
     tokens = sum(n for _, _, n in runs)
+    sent = min(s for s, _, _ in runs)
     first = min(t[0] for _, t, _ in runs if t)
     last = max(t[-1] for _, t, _ in runs if t)
     ttfts = [t[0] - s for s, t, _ in runs if t]
     gaps = sorted(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
     return Result(label, len(prompts), tokens, statistics.mean(ttfts), statistics.median(gaps) * 1000,
-                  tokens / (last - first), statistics.median(ttfts),
+                  tokens / (last - sent), statistics.median(ttfts),
                   max(t[0] for _, t, _ in runs if t) - first,
                   gaps[int(0.9 * (len(gaps) - 1))] * 1000, gaps[-1] * 1000)
 
@@ -427,6 +437,9 @@ def main() -> None:
     parser.add_argument("--tiny", help="build a tiny random model of this arch (hidden 128, 4 layers) instead")
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-words", type=int, default=8,
+                        help="tag words added to each prompt (about a token each with the random models' tokenizer: "
+                             "240 gives prompts of about 256 tokens)")
     parser.add_argument("--servers", default="mlxd,mlx_lm", help="comma list: mlxd, mlx_lm, vllm_mlx")
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-mlx (for --servers ...,vllm_mlx)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
@@ -453,9 +466,10 @@ def main() -> None:
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
-    # The rounds' prompts, then those of the first and the second pass after ready (mlxd servers only).
-    num_prompts = max(levels) * (3 if "mlxd" in args.servers.split(",") or args.baseline_mlxd else 1)
-    prompts = pick_prompts(model, tokenizer, num_prompts, args.max_tokens)
+    # Every run gets prompts of its own (no server's prefix cache serves one run from another's): the warming
+    # pass, the first and second pass after ready (mlxd servers), then each round's one stream and levels.
+    num_prompts = 3 * max(levels) + args.repeats * (1 + sum(levels))
+    prompts = pick_prompts(model, tokenizer, num_prompts, args.max_tokens, args.prompt_words)
     results, passes, rounds = run_all(args, model, tokenizer, prompts, levels, tmp, logs)
     report = "\n\n".join([
         f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} interleaved "
@@ -492,6 +506,7 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
             if label.startswith("mlxd"):
                 passes.append(first_passes(label, port, "bench", prompts[top : 3 * top], args.max_tokens))
                 print(first_pass_report(passes[-1:]), flush=True)
+        fresh = iter(prompts[3 * top:])
         for level in levels:  # warm every batch shape once
             direct_batch_generator(model, tokenizer, prompts[:level], 8)
             for label, port, name in servers:
@@ -499,10 +514,11 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
         best: dict[tuple[str, int], Result] = {}
         rounds: list[list[Result]] = []
         for _ in range(args.repeats):
-            runs = [direct_generate_step(model, tokenizer, prompts[0], args.max_tokens)]
+            runs = [direct_generate_step(model, tokenizer, next(fresh), args.max_tokens)]
             for level in levels:
-                runs.append(direct_batch_generator(model, tokenizer, prompts[:level], args.max_tokens))
-                runs += [asyncio.run(http_load(label, port, name, prompts[:level], args.max_tokens))
+                batch = [next(fresh) for _ in range(level)]
+                runs.append(direct_batch_generator(model, tokenizer, batch, args.max_tokens))
+                runs += [asyncio.run(http_load(label, port, name, batch, args.max_tokens))
                          for label, port, name in servers]
             rounds.append(runs)
             for run in runs:
