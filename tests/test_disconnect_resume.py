@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import pytest
 from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, RequestHandle, Token
 from mlxd.engine.commands import Accept, Cancel, Clear, Evict, RequestSpec
 from mlxd.engine.core import EngineCore
+from mlxd.engine.prefix import PromptReuse
 from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.scheduler import SequenceState
 from mlxd.engine.step.sampling import make_request_sampler
@@ -166,6 +169,41 @@ def test_a_request_cancelled_in_the_queue_says_how_long_it_waited(tiny_model_dir
         assert left.num_prompt_computed == 0 and left.queued_s is not None and left.prefill_s == 0.0
 
     asyncio.run(go())
+
+
+def keep_chunks(model: Any, reuse: PromptReuse, prompt: list[int], ends: list[int], start: int = 0, **kept: Any):
+    """Run ``prompt`` chunk by chunk (ending at ``ends``) into a fresh cache, keeping each chunk as serving does."""
+    cache = make_prompt_cache(model)
+    for end in ends:
+        model(mx.array(prompt[start:end])[None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+        reuse.keep_chunk(prompt, start, end, cache, **kept)
+        start = end
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen3_next_dir"])
+def test_a_prompt_keeps_one_chunk_snapshot_besides_its_checkpoints(model_fixture, request):
+    """However many chunks a prompt has, it leaves one chunk snapshot (its furthest) in the prefix cache, plus, for
+    a cache that cannot be trimmed, its checkpoints (the end of a message), which serve other continuations; the
+    furthest serves the same prompt sent again."""
+    model, tokenizer = load(str(request.getfixturevalue(model_fixture)))
+    hybrid = model_fixture == "tiny_qwen3_next_dir"
+    prompt = tokenizer.encode("Chunk after chunk of one long prompt, kept as it goes in. " * 20)[:80]
+    reuse = PromptReuse(64 * 2**20)
+    keep_chunks(model, reuse, prompt, [16, 32, 40, 56, 72], checkpoints=(40,))
+    stats = reuse.stats()
+    assert stats["num_entries"] == (2 if hybrid else 1), stats
+    again = reuse.lookup(prompt)
+    assert again.kind == "prefix" and again.num_cached == 72
+    edited = reuse.lookup(prompt[:40] + tokenizer.encode(" and then something else entirely"))
+    assert edited.num_cached == 40
+
+    # A request that starts from a cached state leaves that state there (other prompts part from it).
+    reuse.clear()
+    keep_chunks(model, reuse, prompt, [16])
+    keep_chunks(model, reuse, prompt, [16, 32, 48], num_cached=16)
+    assert reuse.lookup(prompt[:16] + [7] * 8).num_cached == 16
+    assert reuse.stats()["num_entries"] == (2 if hybrid else 1)
 
 
 # ---- over HTTP: a streaming client that closes its socket after two of five chunks ----

@@ -145,6 +145,19 @@ class PrefixCache:
         self._counts["num_evictions"] += len(evicted)
         return True
 
+    def discard(self, tokens: Sequence[int] | Any) -> bool:
+        """Drop the entry whose tokens are exactly ``tokens``, unless an insertion in progress pins it; returns
+        whether one was dropped. For a snapshot that a later one of the same prompt supersedes, where the index
+        cannot tell (entries that cannot be trimmed never dominate their prefixes)."""
+        tokens = _as_tokens(tokens)
+        with self._lock:
+            entry_id = self._index.find(tokens)
+            if entry_id is None or entry_id not in self._index.victims():
+                return False
+            self._drop(entry_id)
+            self._counts["num_superseded_dropped"] += 1
+            return True
+
     def _drop(self, entry_id: int) -> None:
         self._index.remove(entry_id)
         if entry_id in self._store:
@@ -181,7 +194,8 @@ class PrefixCache:
                 "hits": {kind: self._hits[kind] for kind in ("exact", "prefix", "longer", "diverged")},
                 "num_hits": sum(self._hits.values()),
                 **{k: self._counts[k] for k in ("num_misses", "num_tokens_reused", "num_inserts",
-                                                "num_dominated_dropped", "num_evictions", "num_rejected")},
+                                                "num_dominated_dropped", "num_superseded_dropped", "num_evictions",
+                                                "num_rejected")},
             }
 
     def clear(self) -> None:

@@ -3,7 +3,11 @@
 - On admission, :meth:`PromptReuse.lookup` finds the longest reusable state; prompt processing starts after it.
 - During prompt processing, :meth:`PromptReuse.chunk_end` ends a chunk at a checkpoint (the end of the last
   message) for caches that cannot be trimmed, since those can only hit where they were snapshotted; and
-  :meth:`PromptReuse.keep` snapshots the state after every chunk, so a cancelled request keeps its work.
+  :meth:`PromptReuse.keep_chunk` snapshots the state after every chunk, so a cancelled request (its client left)
+  keeps its work and the same request sent again resumes where it stopped. Every model kind whose cache follows
+  mlx-lm's protocol is kept this way (attention, sliding-window, quantized, recurrent and hybrid layers); vision
+  prompts too, keyed by image digest. Snapshots are entries like any other: counted in the budget, evicted least
+  recently used first.
 - When a request ends, finished or cancelled, :meth:`PromptReuse.keep` snapshots prompt + generated tokens:
   the next turn of an agent conversation extends exactly that.
 """
@@ -52,6 +56,22 @@ class PromptReuse:
         except Exception as e:  # noqa: BLE001 - reported; whoever asked goes on without the snapshot
             log.warning("prefix_keep_failed", num_tokens=len(tokens), error_type=type(e).__name__, error=str(e))
             mx.clear_cache()  # give back what MLX's allocator holds, for the requests still running
+
+    def keep_chunk(self, key: Sequence[int], start: int, end: int, layers: Sequence[Any], *,
+                   checkpoints: Sequence[int] = (), num_cached: int = 0) -> None:
+        """Snapshot a prompt's state after the chunk ``[start, end)`` (``layers`` hold ``key[:end]``), so that a
+        request whose client leaves keeps the chunks it finished: the same prompt sent again starts after them.
+
+        A trimmable cache's longer snapshot stands in for the shorter one (the cache drops it). One that cannot be
+        trimmed (recurrent layers: hybrid models) serves only prompts that extend it, so each snapshot is an entry
+        of its own; the request's previous chunk snapshot (``key[:start]``) is then dropped, since the new one
+        serves this prompt further and a chunk boundary is no place another prompt is likely to part from it.
+        Kept are checkpoints (the end of a message: where the next turn or an edited history parts) and the
+        state the request started from (``num_cached``)."""
+        self.keep(key[:end], layers)
+        if self.cache is None or is_trimmable(layers) or start <= num_cached or start in checkpoints:
+            return
+        self.cache.discard(key[:start])
 
     @staticmethod
     def chunk_end(start: int, num_tokens: int, checkpoints: Sequence[int], trimmable: bool) -> int:
