@@ -39,8 +39,9 @@ def test_widths_are_powers_of_two_to_eight_then_multiples_of_eight():
     assert bucket_widths(1) == (1,)
     buckets = Buckets(24)
     assert [buckets.width(n) for n in (1, 2, 3, 5, 9, 16, 17, 24, 30)] == [1, 2, 4, 8, 16, 16, 24, 24, 30]
-    assert make_buckets(24, enabled=False) is None and make_buckets(24, enabled=True) == buckets
-    assert make_buckets(24) is (None if mx.default_device() == mx.cpu else make_buckets(24))
+    assert make_buckets(24, "off") is None and make_buckets(24, "on") == buckets and make_buckets(1, "on") is None
+    assert make_buckets(24, "groups") == Buckets(24, decode=False)
+    assert make_buckets(24) == (None if mx.default_device() == mx.cpu else buckets)
 
 
 @pytest.fixture(params=["llama", "qwen3_next"])

@@ -154,9 +154,10 @@ class EngineConfig(Base):
     # Decode steps per batch size during warm-up, before /health turns ready.
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     # Decode steps and prompt groups run at bucketed row counts (1, 2, 4, 8, then multiples of 8), padded with inert
-    # rows, so that warm-up meets every shape in bounded time (mlxd/engine/step/buckets.py). "auto": on GPU backends,
-    # which build kernels per shape; off on the CPU, where a padded row costs its full compute.
-    batch_buckets: Literal["auto", "on", "off"] = "auto"
+    # rows, so that warm-up meets every shape in bounded time (mlxd/engine/step/buckets.py). "groups": prompt groups
+    # only. "auto": "on" on GPU backends, which build kernels per shape; "off" on the CPU, where a padded row costs
+    # its full compute.
+    batch_buckets: Literal["auto", "on", "groups", "off"] = "auto"
     # Prefix cache: bytes of reusable prompt state (KV snapshots) kept across requests; 0 turns it off.
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 2 * 1024**3
     # A cached state covering fewer prompt tokens than this is not reused: it saves less than it costs, since a

@@ -163,7 +163,7 @@ class DecodeBatch:
         the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
         Speculative batches are not padded: their verify passes take any width."""
         width = len(real)
-        if self.buckets is not None and not self.speculative:
+        if self.buckets is not None and self.buckets.decode and not self.speculative:
             width = self.buckets.width(width)
         indices = real + [real[0]] * (width - len(real))
         if indices != list(range(current)):

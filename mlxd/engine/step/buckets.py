@@ -40,9 +40,11 @@ def bucket_widths(max_running: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Buckets:
-    """The widths batches of up to ``max_running`` rows are padded to."""
+    """The widths batches of up to ``max_running`` rows are padded to: groups of prompts always, decode steps when
+    ``decode``."""
 
     max_running: int
+    decode: bool = True
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -54,8 +56,12 @@ class Buckets:
         return next((w for w in self.widths if w >= num_rows), num_rows)
 
 
-def make_buckets(max_running: int, enabled: bool | None = None) -> Buckets | None:
-    """The buckets for ``max_running`` rows, or None (no padding) where :func:`pad_batches` (or ``enabled``) says
-    no."""
-    on = pad_batches() if enabled is None else enabled
-    return Buckets(max_running) if on and max_running > 1 else None
+def make_buckets(max_running: int, setting: str = "auto") -> Buckets | None:
+    """The buckets for ``max_running`` rows as ``[engine] batch_buckets`` says: "on" (decode steps and groups of
+    prompts), "groups" (groups only: decode steps at their own width), "off" (None: no padding), "auto" ("on" where
+    :func:`pad_batches`, else "off")."""
+    if setting == "auto":
+        setting = "on" if pad_batches() else "off"
+    if setting == "off" or max_running < 2:
+        return None
+    return Buckets(max_running, decode=setting == "on")

@@ -68,8 +68,7 @@ class StepRunner:
         self.vocab_size = logits_width(self.model)
         if self.drafter is not None:
             check_drafter(self.drafter, self.model, self.config, self.vocab_size)
-        setting = self.config.batch_buckets
-        self.batch.buckets = make_buckets(self.config.max_running, None if setting == "auto" else setting == "on")
+        self.batch.buckets = make_buckets(self.config.max_running, self.config.batch_buckets)
         warm_up_shapes(self.model, self.config, buckets=self.batch.buckets)
         if self.drafter is not None:
             warm_up_verify(self.model, self.config)
