@@ -133,14 +133,14 @@ def test_pipeline_name_falls_back_to_the_builtin(tmp_path):
 
 def test_pipeline_beside_the_config_takes_the_builtins_place(tmp_path):
     (tmp_path / "pipelines").mkdir()
-    mine = write(tmp_path / "pipelines", '[[stages]]\ntype = "decode"\n', "chat.toml")
+    mine = write(tmp_path / "pipelines", '[[stages]]\ntype = "normalize"\n', "chat.toml")
     _, pipeline = load_everything(write(tmp_path, '[model]\nsource = "x"\n'))
-    assert Path(pipeline.source) == mine and [t for t, _ in pipeline.stages] == ["decode"]
+    assert Path(pipeline.source) == mine and [t for t, _ in pipeline.stages] == ["normalize"]
 
 
 def test_pipeline_path_is_relative_to_the_config(tmp_path):
     (tmp_path / "sub").mkdir()
-    mine = write(tmp_path / "sub", '[[stages]]\ntype = "decode"\n', "p.toml")
+    mine = write(tmp_path / "sub", '[[stages]]\ntype = "normalize"\n', "p.toml")
     _, pipeline = load_everything(write(tmp_path, 'pipeline = "sub/p.toml"\n[model]\nsource = "x"\n'))
     assert Path(pipeline.source) == mine
 
@@ -175,7 +175,7 @@ def test_prefill_stage_uses_the_engine_chunk(tmp_path):
     prefill.warm_up(PipelineContext(config, model, tokenizer=None, engine=None))
     job = Job(request_id="r", model="m", prompt_ids=[1, 2, 3])
     prefill.prepare(job)
-    assert job.engine_request.prefill_chunk == 48
+    assert job.chunk_plan.chunk_tokens == 48
 
 
 # check-config: every setting's effective value and where it came from.

@@ -3,10 +3,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mlxd.engine.base import DecodeMode, EngineRequest, Media, Plain, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """How the engine processes a prompt, made by the ``prefill`` stage (the prefill chunker): chunks of at most
+    ``chunk_tokens`` tokens, a chunk ending at each of ``checkpoints`` (positions worth a prefix-cache snapshot;
+    caches that cannot be trimmed are only reused where one was taken), and room for ``max_tokens`` completion
+    tokens after the prompt, within the model's context."""
+
+    chunk_tokens: int
+    checkpoints: tuple[int, ...]
+    max_tokens: int
 
 
 @dataclass(slots=True)
@@ -37,11 +49,12 @@ class Job:
     media: Media | None = None  # the images processed for the model, with their placeholder spans
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
-    checkpoints: tuple[int, ...] = ()
-    route: str = ""
+    checkpoints: tuple[int, ...] = ()  # where the last message ends (``template``): a snapshot worth taking
+    route: str = ""  # "text" or "vision": set by ``route``; the engine acts on it
     speculative: bool | None = None  # the body's "speculative": None leaves it to [engine.speculative] default
     decode: DecodeMode = Plain()  # set by ``route``
-    engine_request: EngineRequest | None = None
+    chunk_plan: ChunkPlan | None = None  # set by ``prefill``
+    engine_request: EngineRequest | None = None  # built by ``decode`` from the fields above
     # Special tokens that stages downstream of ``detokenize`` need to see (tool-call and channel markers).
     keep_token_ids: frozenset[int] = frozenset()
     # Set by a stage that ends the response stream before the engine does (a stop sequence, a parser): the
@@ -49,3 +62,20 @@ class Job:
     ended_by_pipeline: bool = False
     # Room for third-party stages.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def forced_output(self) -> str | None:
+        """The request field that forces the shape of the output (enforced with a grammar by ``parse``):
+        ``tool_choice`` when it is ``required`` or names a function of the request's tools, ``response_format``
+        when it asks for JSON; None when the output is free."""
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, dict)):
+            return "tool_choice"
+        return "response_format" if self.response_format is not None else None
+
+
+# The fields the API fills in from the request body; stages provide the others (``Stage.provides``).
+REQUEST_FIELDS = frozenset({
+    "request_id", "model", "messages", "prompt", "tools", "template_kwargs", "max_tokens", "clamp_max_tokens",
+    "sampling", "stop", "tool_choice", "parallel_tool_calls", "response_format", "num_logprobs", "speculative",
+    "extra",
+})
+JOB_FIELDS = frozenset(f.name for f in fields(Job))

@@ -8,7 +8,7 @@ from typing import Any
 from mlxd.config.effective import effective_settings, format_value
 from mlxd.config.load import convert
 from mlxd.errors import ConfigError, PipelineError
-from mlxd.pipeline.job import Job
+from mlxd.pipeline.job import JOB_FIELDS, REQUEST_FIELDS, Job
 from mlxd.pipeline.registry import resolve_stage
 from mlxd.pipeline.stage import PipelineContext, Stage
 from mlxd.runtime.cancel import check_cancelled
@@ -51,12 +51,17 @@ class Pipeline:
         return events
 
     def describe(self) -> str:
-        """One line per stage with each option's effective value and whether the pipeline file set it."""
+        """Per stage: each option's effective value and whether the pipeline file set it, then the Job fields the
+        stage needs from earlier stages (request fields left out) and those it provides."""
         lines = [f"pipeline from {self.source}:"]
         for i, ((type_name, stage), raw) in enumerate(zip(self.stages, self.options, strict=True)):
             options = ", ".join(f"{s.name} = {format_value(s.value)} ({s.origin})"
                                 for s in effective_settings(stage.config, raw))
             lines.append(f"  {i}. {type_name:<11} {options}".rstrip())
+            needs, provides = declared(stage, "needs") - REQUEST_FIELDS, declared(stage, "provides")
+            if needs or provides:
+                lines.append(f"     {'':<11} needs {', '.join(sorted(needs)) or '-'}; "
+                             f"provides {', '.join(sorted(provides)) or '-'}")
         return "\n".join(lines)
 
 
@@ -89,4 +94,39 @@ def build_pipeline(tables: list[dict[str, Any]], source: str) -> Pipeline:
         config = convert(options, cls.Config, f"{where} ({type_name})")
         stages.append((type_name, cls(config)))
         all_options.append(options)
+    check_order(stages, source)
     return Pipeline(stages, source, all_options)
+
+
+def declared(stage: object, kind: str) -> frozenset[str]:
+    """A stage's ``needs`` or ``provides`` (none for a stage that declares nothing)."""
+    return frozenset(getattr(stage, kind, None) or ())
+
+
+def check_order(stages: list[tuple[str, Stage]], source: str) -> None:
+    """Every field a stage needs is a request field or provided by an earlier stage; every declared field is a
+    field of :class:`Job`. ``ConfigError`` names ``source``, the stage and the field, and the later stage that
+    provides it, if one does."""
+    available = set(REQUEST_FIELDS)
+    for index, (type_name, stage) in enumerate(stages):
+        where = f"{source}: stage {index} ({type_name})"
+        needs, provides = declared(stage, "needs"), declared(stage, "provides")
+        unknown = sorted((needs | provides) - JOB_FIELDS)
+        if unknown:
+            raise ConfigError(f"{where}: declares {', '.join(unknown)}, not a field of Job "
+                              f"(fields: {', '.join(sorted(JOB_FIELDS))})")
+        missing = sorted(needs - available)
+        if missing:
+            raise ConfigError(f"{where}: needs {_fields_and_providers(missing, stages[index + 1:], index + 1)}")
+        available |= provides
+
+
+def _fields_and_providers(missing: list[str], later: list[tuple[str, Stage]], first_index: int) -> str:
+    """``Job.a, Job.b, which no earlier stage provides (…)``, saying which later stage provides each, if one does."""
+    notes = []
+    for name in missing:
+        providers = [f"stage {first_index + i} ({type_name})" for i, (type_name, stage) in enumerate(later)
+                     if name in declared(stage, "provides")]
+        notes.append(f"the later {providers[0]} provides Job.{name}: move that stage before this one" if providers
+                     else f"no stage of this pipeline provides Job.{name}")
+    return f"{', '.join(f'Job.{name}' for name in missing)}, which no earlier stage provides ({'; '.join(notes)})"

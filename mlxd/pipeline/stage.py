@@ -4,6 +4,12 @@ A stage has a light ``__init__(config)`` (its own validated ``Config`` struct), 
 that takes what it needs from the loaded model, and two hooks that a request passes through in pipeline
 order: ``prepare(job)`` shapes the request (messages → prompt → engine request), ``stream(job, events)``
 transforms the response stream (engine tokens → text). Either hook may be left as the default pass-through.
+
+Each stage declares the :class:`~mlxd.pipeline.job.Job` fields it ``needs`` (cannot work without) and those its
+``prepare`` ``provides``. Every ``prepare`` runs before any ``stream``, in pipeline order, so a field a stage needs
+must be a request field (:data:`~mlxd.pipeline.job.REQUEST_FIELDS`, filled in by the API) or provided by an earlier
+stage: :func:`mlxd.pipeline.pipeline.build_pipeline` checks that at start-up and in ``mlxd check-config``, before a
+model is loaded, and names the pipeline file, the stage and the field when it does not hold.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ class Stage:
     # Options that moved elsewhere (option → its new place, e.g. "[engine] prefill_chunk"): setting one is a
     # config error that names the new place, rather than "unknown field".
     moved_options: ClassVar[dict[str, str]] = {}
+    # Job fields the stage reads and cannot do without, and those its ``prepare`` fills in (see the module's text).
+    needs: ClassVar[frozenset[str]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: msgspec.Struct) -> None:
         self.config = config

@@ -1,4 +1,11 @@
-"""``decode``: submit the engine request and relay its token stream; cancel it if the consumer leaves."""
+"""``decode``, the batch decoder: hand the request to the engine and relay its events.
+
+``prepare`` builds the :class:`~mlxd.engine.base.EngineRequest` from what the earlier stages decided: the token ids
+and images (``template``), the path and decode mode (``route``), the chunk plan (``prefill``). ``parse``, later,
+adds its grammar to it. ``stream`` submits it to the engine (which answers ``Overloaded``, a 429, when its queue is
+full), where it decodes in one batch with every other running request, and relays the engine's token events;
+closing the stream (the client went away, or a later stage has what it needs) ends the request in the engine.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +13,56 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxd.engine.base import Failed, Finished, Progress
+from mlxd.engine.base import EngineRequest, Failed, Finished, Progress
 from mlxd.errors import EngineError, PipelineError, RequestError
 from mlxd.pipeline.events import KeepAlive
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import PipelineContext, Stage
+from mlxd.pipeline.stages.route import VISION
 
 
 class Decode(Stage):
     name = "decode"
+    needs = frozenset({"prompt_ids", "prompt_text", "media", "route", "decode", "chunk_plan", "sampling",
+                       "num_logprobs"})
+    provides = frozenset({"engine_request"})
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.engine = ctx.engine
         self.keepalive_s = ctx.config.server.keepalive_s
+        self.eos_token_ids = ctx.model.eos_token_ids
+
+    def prepare(self, job: Job) -> None:
+        plan = job.chunk_plan
+        if plan is None:
+            raise PipelineError("the pipeline made no chunk plan for this request")
+        if job.media is not None and job.route != VISION:
+            raise PipelineError(f"the route {job.route!r} was chosen for a request with images; only "
+                                f"{VISION!r} runs them")
+        job.engine_request = EngineRequest(
+            request_id=job.request_id,
+            prompt=job.prompt_ids,
+            max_tokens=plan.max_tokens,
+            sampling=job.sampling,
+            stop_token_ids=self.eos_token_ids,
+            prefill_chunk=plan.chunk_tokens,
+            checkpoints=plan.checkpoints,
+            media=job.media,
+            route=job.route,
+            decode=job.decode,
+            prompt_text=job.prompt_text,
+            num_logprobs=job.num_logprobs,
+        )
 
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        if job.engine_request is None:
-            raise PipelineError("decode needs an engine request: put a `prefill` stage before it")
-        if _constrained(job) and job.engine_request.logits_processors is None:
-            raise RequestError("this server's pipeline has no `parse` stage, so tool_choice and response_format "
-                               "cannot be enforced", param="response_format" if job.response_format else "tool_choice")
-        handle = self.engine.submit(job.engine_request)
+        request = job.engine_request
+        if request is None:
+            raise PipelineError("the request was not prepared for the engine")
+        forced = job.forced_output()
+        if forced is not None and request.logits_processors is None:
+            raise RequestError(f"this server's pipeline has no `parse` stage, so {forced} cannot be enforced",
+                               param=forced)
+        handle = self.engine.submit(request)
         try:
             # Accepted: lets the API send response headers before the first token exists.
             yield KeepAlive()
@@ -48,8 +84,3 @@ class Decode(Stage):
                         return
         finally:
             handle.cancel("stop" if job.ended_by_pipeline else "cancelled")
-
-
-def _constrained(job: Job) -> bool:
-    forced = bool(job.tools) and (job.tool_choice == "required" or isinstance(job.tool_choice, dict))
-    return forced or job.response_format is not None

@@ -26,6 +26,7 @@ class DetokenizeConfig(NoOptions, frozen=True):
 class Detokenize(Stage):
     name = "detokenize"
     Config = DetokenizeConfig
+    needs = frozenset({"prompt_ids", "stop"})
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer

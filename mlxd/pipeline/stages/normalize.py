@@ -47,6 +47,8 @@ class NormalizeConfig(NoOptions, frozen=True):
 class Normalize(Stage):
     name = "normalize"
     Config = NormalizeConfig
+    needs = frozenset({"messages"})
+    provides = frozenset({"messages", "images"})
 
     def __init__(self, config: NormalizeConfig) -> None:
         super().__init__(config)

@@ -11,7 +11,7 @@ first call only. Text completions pass through.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -39,6 +39,9 @@ class ParseConfig(NoOptions, frozen=True):
 class Parse(Stage):
     name = "parse"
     Config = ParseConfig
+    # It adds its grammar to the engine request ``decode`` built.
+    needs = frozenset({"prompt_text", "tools", "tool_choice", "response_format", "engine_request"})
+    provides = frozenset({"keep_token_ids"})
 
     def __init__(self, config: ParseConfig) -> None:
         super().__init__(config)
@@ -67,14 +70,14 @@ class Parse(Stage):
             job.engine_request.logits_processors = make_constraint_factory(grammar, self.compiler, self.eos_token_ids)
 
     def _grammar(self, job: Job) -> Any:
-        forced = job.tools and (job.tool_choice == "required" or isinstance(job.tool_choice, dict))
-        if not forced and job.response_format is None:
+        forced = job.forced_output()
+        if forced is None:
             return None
         if self.reasoning_cls is not None and self.reasoning_cls.opens_in_prompt(job.prompt_text):
             raise RequestError("constrained output cannot start inside the open reasoning block this prompt ends "
                                "with; turn thinking off (reasoning_effort 'none' or chat_template_kwargs "
-                               "{\"enable_thinking\": false})", param="tool_choice" if forced else "response_format")
-        if forced:
+                               "{\"enable_thinking\": false})", param=forced)
+        if forced == "tool_choice":
             if self.tool_cls is None or self.tool_cls.name != "hermes":
                 name = self.tool_cls.name if self.tool_cls else "none"
                 raise RequestError(f"tool_choice {job.tool_choice!r} is enforced for Hermes-format tool calls only; "
@@ -93,21 +96,7 @@ class Parse(Stage):
         reasoning, tools = (self._reasoning(job), self._tools(job)) if job.messages is not None else (None, None)
         if reasoning is None and tools is None:
             return events
-        return self._split(_Splitter(reasoning, tools, single_call=_single_call(job)), events)
-
-    async def _split(self, split: _Splitter, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, ContentDelta):
-                    for out in split.feed(event.text):
-                        yield out
-                elif isinstance(event, Done):
-                    for out in split.finish():
-                        yield out
-                    yield split.done(event)
-                    return
-                else:
-                    yield event
+        return _Splitter(reasoning, tools, single_call=_single_call(job)).run(events)
 
     def _reasoning(self, job: Job) -> Any:
         cls = self.reasoning_cls
@@ -135,25 +124,34 @@ class _Splitter:
     def __init__(self, reasoning: Any, tools: Any, single_call: bool = False) -> None:
         self.reasoning, self.tools, self.single_call = reasoning, tools, single_call
 
-    def feed(self, text: str) -> list[Any]:
-        return self._tools(self.reasoning.feed(text) if self.reasoning else [ContentDelta(text)])
-
-    def finish(self) -> list[Any]:
-        out = self._tools(self.reasoning.finish()) if self.reasoning else []
-        return out + self._allowed(self.tools.finish() if self.tools else [])
+    async def run(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """``events`` with their content split: the reasoning parser's pieces first, then what stays content
+        through the tool parser (its ``feed`` turns call markup into :class:`ToolCallDelta` events)."""
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, ContentDelta):
+                    pieces = self.reasoning.feed(event.text) if self.reasoning else [event]
+                elif isinstance(event, Done):  # what the parsers still hold, then the final event
+                    pieces = self.reasoning.finish() if self.reasoning else []
+                else:
+                    yield event
+                    continue
+                for piece in pieces:
+                    if self.tools is not None and isinstance(piece, ContentDelta):
+                        for out in self._allowed(self.tools.feed(piece.text)):  # the tool-call parse
+                            yield out
+                    elif not isinstance(piece, ContentDelta) or piece.text:
+                        yield piece
+                if isinstance(event, Done):
+                    for out in self._allowed(self.tools.finish() if self.tools else []):
+                        yield out
+                    yield self.done(event)
+                    return
 
     def done(self, done: Done) -> Done:
         if self.tools is not None and self.tools.num_calls and done.finish_reason == "stop":
             return msgspec.structs.replace(done, finish_reason="tool_calls")
         return done
-
-    def _tools(self, events: Iterable[Any]) -> list[Any]:
-        if self.tools is None:
-            return [e for e in events if not isinstance(e, ContentDelta) or e.text]
-        out: list[Any] = []
-        for event in events:
-            out.extend(self.tools.feed(event.text) if isinstance(event, ContentDelta) else [event])
-        return self._allowed(out)
 
     def _allowed(self, events: list[Any]) -> list[Any]:
         if not self.single_call:

@@ -1,25 +1,32 @@
-"""``prefill``: check the prompt against the context and build the engine request (chunked prompt processing)."""
+"""``prefill``, the prefill chunker: the prompt's chunk plan (:class:`~mlxd.pipeline.job.ChunkPlan`).
+
+The engine processes a prompt in chunks, between other requests' decode steps; this stage says how: chunks of
+``[engine] prefill_chunk`` tokens (the engine's own setting, so that warm-up and serving use the same size), a chunk
+ending at each checkpoint (where the last message ends, from ``template``: a prefix-cache snapshot there serves the
+conversation's next turn), and the completion room the context leaves after the prompt. A prompt that has no plan
+is refused here: an empty one, one the context cannot hold, or one whose ``max_tokens`` does not fit beside it
+(agent surfaces that always send a huge ``max_tokens`` get what the context leaves instead).
+"""
 
 from __future__ import annotations
 
-from mlxd.engine.base import EngineRequest
 from mlxd.errors import ContextLengthExceeded, RequestError
-from mlxd.pipeline.job import Job
+from mlxd.pipeline.job import ChunkPlan, Job
 from mlxd.pipeline.stage import PipelineContext, Stage
 
 
 class Prefill(Stage):
-    """Takes no options: the chunk size is the engine's (``[engine] prefill_chunk``), so that warm-up and
-    serving use the same one."""
+    """Takes no options: the chunk size is the engine's (``[engine] prefill_chunk``)."""
 
     name = "prefill"
+    needs = frozenset({"prompt_ids", "checkpoints", "max_tokens", "clamp_max_tokens"})
+    provides = frozenset({"chunk_plan", "max_tokens_clamped_from"})
     moved_options = {"chunk_size": "[engine] prefill_chunk"}
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.prefill_chunk = ctx.config.engine.prefill_chunk
         self.context_length = ctx.model.context_length
         self.default_max_tokens = ctx.config.model.sampling.max_tokens
-        self.eos_token_ids = ctx.model.eos_token_ids
 
     def prepare(self, job: Job) -> None:
         num_prompt = len(job.prompt_ids)
@@ -30,32 +37,22 @@ class Prefill(Stage):
                 f"the prompt has {num_prompt} tokens; this model's context is {self.context_length} tokens",
                 param="messages",
             )
-        room = self.context_length - num_prompt
-        if job.max_tokens is None and job.clamp_max_tokens:
-            max_tokens = room  # agent surfaces (Responses) without a limit: what the context leaves
-        elif job.max_tokens is None:
-            max_tokens = min(self.default_max_tokens, room)
-        elif job.max_tokens > room and job.clamp_max_tokens:
-            max_tokens, job.max_tokens_clamped_from = room, job.max_tokens
-        elif job.max_tokens > room:
-            raise ContextLengthExceeded(
-                f"max_tokens={job.max_tokens} plus the prompt's {num_prompt} tokens exceeds the context of "
-                f"{self.context_length} tokens (at most {room} completion tokens fit)",
-                param="max_tokens",
-            )
-        else:
-            max_tokens = job.max_tokens
-        job.engine_request = EngineRequest(
-            request_id=job.request_id,
-            prompt=job.prompt_ids,
-            max_tokens=max_tokens,
-            sampling=job.sampling,
-            stop_token_ids=self.eos_token_ids,
-            prefill_chunk=self.prefill_chunk,
-            checkpoints=job.checkpoints,
-            media=job.media,
-            route=job.route or "text",
-            prompt_text=job.prompt_text,
-            num_logprobs=job.num_logprobs,
-            decode=job.decode,
+        checkpoints = tuple(sorted(c for c in set(job.checkpoints) if 0 < c < num_prompt))
+        job.chunk_plan = ChunkPlan(chunk_tokens=self.prefill_chunk, checkpoints=checkpoints,
+                                   max_tokens=self._max_tokens(job, self.context_length - num_prompt))
+
+    def _max_tokens(self, job: Job, room: int) -> int:
+        """The completion tokens the request may generate: what it asked for, the config's default, or (agent
+        surfaces, ``clamp_max_tokens``) what the context leaves."""
+        if job.max_tokens is None:
+            return room if job.clamp_max_tokens else min(self.default_max_tokens, room)
+        if job.max_tokens <= room:
+            return job.max_tokens
+        if job.clamp_max_tokens:
+            job.max_tokens_clamped_from = job.max_tokens
+            return room
+        raise ContextLengthExceeded(
+            f"max_tokens={job.max_tokens} plus the prompt's {len(job.prompt_ids)} tokens exceeds the context of "
+            f"{self.context_length} tokens (at most {room} completion tokens fit)",
+            param="max_tokens",
         )

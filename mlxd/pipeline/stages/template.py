@@ -48,6 +48,8 @@ class TemplateConfig(NoOptions, frozen=True):
 class Template(Stage):
     name = "template"
     Config = TemplateConfig
+    needs = frozenset({"messages", "prompt", "tools", "template_kwargs"})
+    provides = frozenset({"prompt_text", "prompt_ids", "media", "checkpoints"})
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
