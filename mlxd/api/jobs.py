@@ -1,4 +1,5 @@
-"""OpenAI request bodies → pipeline jobs: defaults applied, unsupported features refused with a 400."""
+"""OpenAI request bodies → pipeline jobs: the body parsed into the neutral values of :mod:`mlxd.api.intent`, whose
+rules apply defaults and refuse what cannot be served (400); the OpenAI-only checks (``n``, logprobs, echo) here."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from mlxd.api import intent
 from mlxd.api.errors import clip
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mlxd.config.schema import SamplingDefaults
@@ -14,7 +16,7 @@ from mlxd.engine.base import SamplingParams
 from mlxd.errors import RequestError
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.render import check_template_switches
-from mlxd.pipeline.stops import check_stops
+from mlxd.pipeline.stage import ModelInfo
 
 
 def new_request_id(prefix: str) -> str:
@@ -29,37 +31,27 @@ def _check_n(body: SamplingFields, max_n: int) -> None:
 
 
 def _sampling(body: SamplingFields, defaults: SamplingDefaults) -> SamplingParams:
-    return SamplingParams(
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else body.top_k,
-        min_p=defaults.min_p if body.min_p is None else body.min_p,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=(defaults.repetition_penalty if body.repetition_penalty is None
-                            else body.repetition_penalty) or 0.0,
-        logit_bias=_logit_bias(body.logit_bias),
-    )
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     # Keys are decimal token ids (a pattern in the schema), so int() cannot fail.
-    return {int(token): value for token, value in bias.items()} if bias else None
+    bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
+    return intent.sampling(defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                           min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                           logit_bias=bias)
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return check_stops([stop] if isinstance(stop, str) else list(stop or []), "stop")
+def check_vocabulary(body: SamplingFields, model: ModelInfo | None) -> None:
+    """A 400 naming the field when ``top_k``, a ``logit_bias`` key or a prompt token id is not below the model's
+    vocabulary size (unknown before the model loads)."""
+    prompt = body.prompt if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) else ()
+    intent.check_vocabulary(model, top_k=body.top_k, logit_bias_ids=[int(key) for key in body.logit_bias or ()],
+                            prompt_ids=prompt)
 
 
 def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:
     _check_n(body, max_n)
-    if not body.messages:
-        raise RequestError("`messages` must not be empty", param="messages")
+    intent.require(body.messages, "messages")
     tools = msgspec.to_builtins(body.tools) if body.tools else None
-    choice = _tool_choice(body.tool_choice, tools)
-    if choice == "none":
-        tools = None
+    choice, tools = intent.resolve_tool_choice(_tool_choice(body.tool_choice), tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -71,7 +63,7 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         template_kwargs=_template_kwargs(body),
         max_tokens=limit,
         sampling=_sampling(body, defaults),
-        stop=_stops(body.stop),
+        stop=intent.stops(body.stop, "stop"),
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=_response_format(body),
@@ -80,21 +72,12 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
     )
 
 
-def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
-    """``auto`` (the default), ``none``, ``required`` or a named function, checked against the request's tools."""
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto"
-    if choice == "required":
-        if not tools:
-            raise RequestError("tool_choice 'required' needs at least one tool in `tools`", param="tool_choice")
-        return choice
+def _tool_choice(choice: str | dict[str, Any] | None) -> intent.ToolChoice:
+    """``auto`` (the default), ``none``, ``required`` or ``{"type": "function", "function": {"name": ...}}``."""
+    if (plain := intent.plain_tool_choice(choice)) is not None:
+        return plain
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        names = [t["function"]["name"] for t in tools or []]
-        if name not in names:
-            raise RequestError(f"tool_choice names {clip(str(name))!r}, which is not among the request's tools "
-                               f"{[clip(n) for n in names][:16]}", param="tool_choice")
-        return {"type": "function", "function": {"name": name}}
+        return intent.ToolChoice("named", name=choice["function"].get("name"))
     raise RequestError(f"tool_choice must be 'auto', 'none', 'required' or "
                        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {clip(str(choice))!r}",
                        param="tool_choice")
@@ -102,27 +85,19 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]
 
 def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
     fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
     spec = fmt.json_schema or {}
-    if not isinstance(spec.get("schema"), dict):
-        raise RequestError("response_format json_schema needs `json_schema.schema`, a JSON schema object",
-                           param="response_format")
-    return {"type": "json_schema", "schema": spec["schema"], "strict": bool(spec.get("strict", False)),
-            "name": spec.get("name")}
+    return intent.response_format(fmt.type, spec.get("schema"), strict=spec.get("strict", False),
+                                  name=spec.get("name"))
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    """The request's template variables; ``reasoning_effort`` sets the thinking switch (``enable_thinking``) and
-    reaches templates that read it (gpt-oss). Explicit ``chat_template_kwargs`` win; they are template switches
+    """The request's template variables: ``reasoning_effort`` as the thinking switch (``enable_thinking``) and the
+    effort for templates that read it (gpt-oss). Explicit ``chat_template_kwargs`` win; they are template switches
     only (``mlxd.pipeline.render.TEMPLATE_SWITCHES``), never a template, tools or a tokenizer argument."""
-    kwargs: dict[str, Any] = {}
-    if body.reasoning_effort is not None:
-        kwargs["enable_thinking"] = body.reasoning_effort not in ("none", "minimal")
-        kwargs["reasoning_effort"] = "low" if body.reasoning_effort == "minimal" else body.reasoning_effort
-    return {**kwargs, **check_template_switches(body.chat_template_kwargs)}
+    return {**intent.thinking_switches(effort=body.reasoning_effort),
+            **check_template_switches(body.chat_template_kwargs)}
 
 
 def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:
@@ -130,15 +105,14 @@ def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaul
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs is not supported: mlxd does not score prompt tokens",
                            param="echo")
-    if not body.prompt:
-        raise RequestError("`prompt` must not be empty", param="prompt")
+    intent.require(body.prompt, "prompt")
     return Job(
         request_id=new_request_id("cmpl"),
         model=model,
         prompt=body.prompt,
         max_tokens=body.max_tokens,
         sampling=_sampling(body, defaults),
-        stop=_stops(body.stop),
+        stop=intent.stops(body.stop, "stop"),
         num_logprobs=body.logprobs,
         speculative=body.speculative,
     )

@@ -21,7 +21,7 @@ from mlxd.api.schemas import (
     ModelCard,
     ModelList,
 )
-from mlxd.api.validate import check_against_model, check_size
+from mlxd.api.validate import check_size
 from mlxd.daemon import Daemon
 
 
@@ -38,7 +38,7 @@ class OpenAIController(Controller):
         logprobs, ``n`` choices."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
-        check_against_model(data, daemon.model_info)
+        jobs.check_vocabulary(data, daemon.model_info)
         check_size(data, **daemon.size_limits())
         job = jobs.chat_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
         events, trace = await respond.start(daemon, job, "chat", metrics.observe, n=data.n, receive=request.receive)
@@ -58,7 +58,7 @@ class OpenAIController(Controller):
         """Text completion of a raw prompt (no chat template): logprobs, ``n`` choices, ``echo``."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
-        check_against_model(data, daemon.model_info)
+        jobs.check_vocabulary(data, daemon.model_info)
         check_size(data, **daemon.size_limits())
         job = jobs.completion_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
         events, trace = await respond.start(daemon, job, "completions", metrics.observe, n=data.n,

@@ -1,11 +1,10 @@
-"""Checks that depend on the loaded model and the server's limits, made on the decoded body before any work:
+"""The check that depends on the server's limits, made on the decoded body before any work: :func:`check_size`, the
+message count, and the text every rendered field holds (all messages whatever their role, system prompts, tool
+descriptions and schemas, instructions, input items, template variables), counted without rendering or tokenizing,
+against what the context can hold.
 
-- :func:`check_size`: the message count, and the text every rendered field holds (all messages whatever their
-  role, system prompts, tool descriptions and schemas, instructions, input items, template variables), counted
-  without rendering or tokenizing, against what the context can hold;
-- :func:`check_against_model`: token ids (``top_k``, ``logit_bias`` keys, prompt ids) below the vocabulary size.
-
-The model-independent ranges are ``msgspec.Meta`` constraints in ``mlxd.api.schemas``."""
+Token ids below the vocabulary size are :func:`mlxd.api.intent.check_vocabulary`'s; the model-independent ranges
+are ``msgspec.Meta`` constraints in ``mlxd.api.schemas``."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ from typing import Any
 
 import msgspec
 
-from mlxd.api.schemas import CompletionRequest, SamplingFields
 from mlxd.errors import ContextLengthExceeded, RequestError
 from mlxd.media.parts import IMAGE_TYPES
-from mlxd.pipeline.stage import ModelInfo
 
 # The body fields a prompt is rendered from, on every surface (OpenAI chat and completions, Anthropic messages and
 # count_tokens, Responses), in the order they are counted.
@@ -83,29 +80,3 @@ def _measure(root: Any, max_bytes: int, max_values: int) -> tuple[int, int]:
 
 def _is_image_struct(node: msgspec.Struct) -> bool:
     return type(node).__struct_config__.tag in IMAGE_TYPES or getattr(node, "type", None) in IMAGE_TYPES
-
-
-def check_against_model(body: SamplingFields, model: ModelInfo | None) -> None:
-    """Raise a 400 naming the field when a token id or ``top_k`` is not below the model's vocabulary size.
-
-    Does nothing before the model is loaded or when its vocabulary size is unknown (0)."""
-    vocab = model.vocab_size if model is not None else 0
-    if vocab <= 0:
-        return
-    if body.top_k is not None and body.top_k >= vocab:
-        raise RequestError(f"top_k must be below the vocabulary size {vocab} (0 is off), got {body.top_k}",
-                           param="top_k")
-    if body.logit_bias:
-        bad = [key for key in body.logit_bias if int(key) >= vocab]
-        if bad:
-            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {_ids(bad)}",
-                               param="logit_bias")
-    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
-        bad_ids = [token for token in body.prompt if token >= vocab]
-        if bad_ids:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {_ids(bad_ids)}", param="prompt")
-
-
-def _ids(values: list[int] | list[str]) -> str:
-    shown = ", ".join(str(v) if len(str(v)) <= 24 else str(v)[:24] + "…" for v in values[:5])
-    return shown + (f" and {len(values) - 5} more" if len(values) > 5 else "")
