@@ -97,7 +97,7 @@ class AnthropicController(Controller):
         blocks. A ``max_tokens`` beyond what the context leaves is clamped, not refused."""
         daemon.require_ready()
         model = daemon.resolve_model(data.model)
-        jobs.check_top_k(data, daemon.model_info)
+        jobs.check_vocabulary(data, daemon.model_info)
         check_size(data, **daemon.size_limits())
         job = jobs.messages_job(data, model, daemon.config.model.sampling)
         events, trace = await respond.start(daemon, job, "messages", metrics.observe, receive=request.receive)

@@ -5,8 +5,8 @@ The pipeline speaks the OpenAI chat shape (plain dicts), so a request is transla
 - ``system`` becomes the first, ``system`` message; ``system`` messages in mid-conversation stay where they are
   (``normalize`` decides how the template shows them). Text blocks are concatenated as sent: clients that split
   a system prompt into blocks (for cache breakpoints) write their own separators, as Claude Code does. Claude
-  Code's ``x-anthropic-billing-header`` block is left out: it may change with every request and, at the very
-  start of the prompt, would defeat the prefix cache.
+  Code's ``x-anthropic-billing-header`` block is left out (``normalize``'s rule, applied to each block): it may
+  change with every request and, at the very start of the prompt, would defeat the prefix cache.
 - User ``text`` / ``image`` blocks become content parts (an image's base64 source a ``data:`` URI); each
   ``tool_result`` becomes a ``tool`` message answering ``tool_use_id`` (``is_error`` prefixes its content with
   ``Error:``, since chat templates have no place for the flag).
@@ -17,6 +17,9 @@ The pipeline speaks the OpenAI chat shape (plain dicts), so a request is transla
   log line; ``tool_choice`` ``any`` is ``required``, ``tool`` a named function.
 - ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` sets the template's ``enable_thinking``; absent, the
   template's default stands.
+
+The rules shared with the other surfaces (tool choice, sampling defaults, thinking, stops, the vocabulary check) are
+:mod:`mlxd.api.intent`'s; this module parses Anthropic's shapes into their neutral values.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import uuid
 from typing import Any
 
+from mlxd.api import intent
 from mlxd.api.anthropic_schemas import (
     Base64Source,
     CountTokensRequest,
@@ -38,6 +42,7 @@ from mlxd.api.anthropic_schemas import (
     ThinkingBlock,
     ThinkingDisabled,
     Tool,
+    ToolChoice,
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
@@ -46,16 +51,16 @@ from mlxd.api.anthropic_schemas import (
 )
 from mlxd.api.errors import clip
 from mlxd.config.schema import SamplingDefaults
-from mlxd.engine.base import SamplingParams
 from mlxd.errors import RequestError
 from mlxd.log import get_logger
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import ModelInfo
-from mlxd.pipeline.stops import check_stops
+from mlxd.pipeline.stages.normalize import strip_billing_header
 
 log = get_logger("mlxd.api")
 
-BILLING_HEADER = "x-anthropic-billing-header"
+# Anthropic's words for the tools a tool choice may name.
+WORDS = intent.Words(tool="custom tool")
 
 
 def new_message_id() -> str:
@@ -65,48 +70,37 @@ def new_message_id() -> str:
 def messages_job(body: MessagesRequest, model: str, defaults: SamplingDefaults) -> Job:
     """The job of a ``/v1/messages`` request. ``max_tokens`` beyond what the context leaves is clamped (Anthropic
     clients send their model's whole output limit), not refused. Raises ``RequestError`` naming the field."""
-    stops = check_stops(body.stop_sequences or [], "stop_sequences")
+    stops = intent.stops(body.stop_sequences, "stop_sequences")
     job = prompt_job(body, model)
     job.max_tokens = body.max_tokens
     job.clamp_max_tokens = True
     job.stop = stops
-    job.sampling = SamplingParams(
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else body.top_k,
-        min_p=defaults.min_p,
-        repetition_penalty=defaults.repetition_penalty or 0.0,
-    )
+    job.sampling = intent.sampling(defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     return job
 
 
 def prompt_job(body: MessagesRequest | CountTokensRequest, model: str) -> Job:
     """A job holding what shapes the prompt (messages, tools, tool choice, thinking switch): enough for
     ``/v1/messages/count_tokens``."""
-    if not body.messages:
-        raise RequestError("`messages` must not be empty", param="messages")
+    intent.require(body.messages, "messages")
     if body.messages[-1].role == "assistant":
         raise RequestError("the last message must not be an assistant message: mlxd does not continue (prefill) "
                            "an assistant turn", param="messages")
-    tools = _tools(body.tools)
-    choice, parallel = _tool_choice(body, tools)
+    choice, tools = intent.resolve_tool_choice(_tool_choice(body.tool_choice), _tools(body.tools), WORDS)
     return Job(
         request_id=new_message_id(),
         model=model,
         messages=chat_messages(body),
-        tools=tools if choice != "none" else None,
+        tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=parallel,
+        parallel_tool_calls=not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use),
         template_kwargs=_template_kwargs(body),
     )
 
 
-def check_top_k(body: MessagesRequest, info: ModelInfo | None) -> None:
+def check_vocabulary(body: MessagesRequest, model: ModelInfo | None) -> None:
     """A 400 when ``top_k`` is not below the model's vocabulary size (unknown before the model loads)."""
-    vocab = info.vocab_size if info is not None else 0
-    if vocab > 0 and body.top_k is not None and body.top_k >= vocab:
-        raise RequestError(f"top_k must be below the vocabulary size {vocab} (0 is off), got {body.top_k}",
-                           param="top_k")
+    intent.check_vocabulary(model, top_k=body.top_k)
 
 
 def chat_messages(body: PromptFields) -> list[dict[str, Any]]:
@@ -134,9 +128,14 @@ def _system(system: str | list[Any] | None, index: int = 0) -> str | None:
         if not isinstance(block, TextBlock):
             raise RequestError(f"system messages take text blocks, not {block.__struct_config__.tag}",
                                param=_where(index, j))
-        if not block.text.startswith(BILLING_HEADER):
-            texts.append(block.text)
+        texts.append(_without_billing_header(block.text))
     return "".join(texts) or None
+
+
+def _without_billing_header(text: str) -> str:
+    # A block of its own: the blocks are joined as sent, without a line break, so normalize's rule (which removes
+    # the header's line from the start of a system text) is applied to each block before they are joined.
+    return strip_billing_header({"role": "system", "content": text})["content"]
 
 
 def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
@@ -239,27 +238,17 @@ def _tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _tool_choice(body: PromptFields, tools: list[dict[str, Any]] | None) -> tuple[str | dict[str, Any], bool]:
-    """The job's ``tool_choice`` and ``parallel_tool_calls``, checked against the custom tools."""
-    choice = body.tool_choice
-    parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    if choice is None or isinstance(choice, ToolChoiceNone):
-        return ("none" if choice is not None else "auto"), parallel
-    if isinstance(choice, ToolChoiceAny | ToolChoiceTool) and not tools:
-        raise RequestError(f"tool_choice {choice.__struct_config__.tag!r} needs at least one custom tool in "
-                           "`tools`", param="tool_choice")
+def _tool_choice(choice: ToolChoice | None) -> intent.ToolChoice:
+    """``auto`` (the default), ``none``, ``any`` (``required``) or ``tool`` (a named function)."""
+    if isinstance(choice, ToolChoiceNone):
+        return intent.ToolChoice("none")
     if isinstance(choice, ToolChoiceAny):
-        return "required", parallel
+        return intent.ToolChoice("required", spelled="any")
     if isinstance(choice, ToolChoiceTool):
-        names = [t["function"]["name"] for t in tools or []]
-        if choice.name not in names:
-            raise RequestError(f"tool_choice names {clip(choice.name)!r}, which is not among the request's custom "
-                               f"tools {[clip(n) for n in names][:16]}", param="tool_choice")
-        return {"type": "function", "function": {"name": choice.name}}, parallel
-    return "auto", parallel
+        return intent.ToolChoice("named", name=choice.name, spelled="tool")
+    return intent.ToolChoice("auto")
 
 
 def _template_kwargs(body: PromptFields) -> dict[str, Any]:
-    if body.thinking is None:
-        return {}
-    return {"enable_thinking": not isinstance(body.thinking, ThinkingDisabled)}
+    enabled = None if body.thinking is None else not isinstance(body.thinking, ThinkingDisabled)
+    return intent.thinking_switches(enabled=enabled)
