@@ -7,7 +7,8 @@ cannot use is dropped and named in a log line: ``reasoning`` items silently (the
 hosted tools' calls (``web_search_call``, ``local_shell_call``, ``custom_tool_call``, ...) by kind. Likewise only
 ``function`` tools reach the template; hosted tools (``web_search``, ``local_shell``, ``custom``, ``mcp``, ...) are
 dropped and named. What cannot be honoured without state or storage (``previous_response_id``, ``conversation``,
-stored prompts, ``item_reference``, ``file_id``) is a 400 that says so.
+stored prompts, ``item_reference``, ``file_id``) is a 400 that says so. The rules shared with the other surfaces
+(tool choice, sampling defaults, thinking, response format) are :mod:`mlxd.api.intent`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from mlxd.api import intent
 from mlxd.api.errors import clip
 from mlxd.api.responses_schemas import (
     FunctionTool,
@@ -29,7 +31,6 @@ from mlxd.api.responses_schemas import (
     ResponsesRequest,
 )
 from mlxd.config.schema import SamplingDefaults
-from mlxd.engine.base import SamplingParams
 from mlxd.errors import RequestError
 from mlxd.log import get_logger
 from mlxd.pipeline.job import Job
@@ -39,6 +40,8 @@ log = get_logger("mlxd.api")
 STATELESS = "mlxd is stateless and stores no responses"
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+# The Responses API's words for the tools a tool choice may name and for where the output format is set.
+WORDS = intent.Words(tool="function tool", format="text.format", format_schema="schema", format_param="text")
 # Items that are history of tools mlxd does not run, or of reasoning it does not re-render: left out of the prompt.
 SILENTLY_DROPPED = frozenset({"reasoning"})
 
@@ -58,17 +61,11 @@ def responses_job(body: ResponsesRequest, model: str, defaults: SamplingDefaults
         request_id=request_id,
         model=model,
         messages=_messages(body.instructions, body.input, request_id),
-        tools=tools if tools and choice != "none" else None,
-        template_kwargs=_template_kwargs(body),
+        tools=tools,
+        template_kwargs=intent.thinking_switches(effort=body.reasoning.effort if body.reasoning else None),
         max_tokens=body.max_output_tokens,
         clamp_max_tokens=True,
-        sampling=SamplingParams(
-            temperature=defaults.temperature if body.temperature is None else body.temperature,
-            top_p=defaults.top_p if body.top_p is None else body.top_p,
-            top_k=defaults.top_k,
-            min_p=defaults.min_p,
-            repetition_penalty=defaults.repetition_penalty or 0.0,
-        ),
+        sampling=intent.sampling(defaults, temperature=body.temperature, top_p=body.top_p),
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=_response_format(body),
@@ -211,27 +208,24 @@ def _tools(tools: list[dict[str, Any]] | None, request_id: str) -> tuple[list[di
 
 
 def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]], echoed: list[dict[str, Any]]
-                 ) -> tuple[str | dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The chat-shaped ``tool_choice``, and the tools left once ``allowed_tools`` has picked some."""
-    names = [tool["function"]["name"] for tool in tools]
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto", tools, echoed
-    if choice == "required":
-        if not tools:
-            raise RequestError("tool_choice 'required' needs at least one function tool in `tools`",
-                               param="tool_choice")
-        return choice, tools, echoed
+                 ) -> tuple[str | dict[str, Any], list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """The chat-shaped ``tool_choice``, the tools the template sees, and the tools the response echoes, once
+    ``allowed_tools`` has picked some."""
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and choice.get("mode", "auto") in (
+            "auto", "required"):
+        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
+        keep = [i for i, name in enumerate(intent.tool_names(tools)) if name in allowed]
+        tools, echoed, choice = [tools[i] for i in keep], [echoed[i] for i in keep], choice.get("mode", "auto")
+    resolved, shown = intent.resolve_tool_choice(_parse_tool_choice(choice), tools, WORDS)
+    return resolved, shown, echoed
+
+
+def _parse_tool_choice(choice: str | dict[str, Any] | None) -> intent.ToolChoice:
+    if (plain := intent.plain_tool_choice(choice)) is not None:
+        return plain
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind == "function":
-        name = choice.get("name")
-        if name not in names:
-            raise RequestError(f"tool_choice names {clip(str(name))!r}, which is not among the request's function "
-                               f"tools {[clip(n) for n in names][:16]}", param="tool_choice")
-        return {"type": "function", "function": {"name": name}}, tools, echoed
-    if kind == "allowed_tools" and choice.get("mode", "auto") in ("auto", "required"):
-        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
-        keep = [i for i, name in enumerate(names) if name in allowed]
-        return _tool_choice(choice.get("mode", "auto"), [tools[i] for i in keep], [echoed[i] for i in keep])
+        return intent.ToolChoice("named", name=choice.get("name"))
     if isinstance(kind, str):
         raise RequestError(f"tool_choice {{'type': {clip(kind)!r}}} forces a tool mlxd cannot run; only function "
                            "tools are served", param="tool_choice")
@@ -239,22 +233,8 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]
                        f"{{'type': 'allowed_tools', ...}}, got {clip(str(choice))!r}", param="tool_choice")
 
 
-def _template_kwargs(body: ResponsesRequest) -> dict[str, Any]:
-    """``reasoning.effort`` as chat's ``reasoning_effort``: the thinking switch, and the effort for templates that
-    read it ("minimal" is "low", "xhigh" is "high" there)."""
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is None:
-        return {}
-    level = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
-    return {"enable_thinking": effort not in ("none", "minimal"), "reasoning_effort": level}
-
-
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     fmt = body.text.format if body.text is not None else None
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
-    if not isinstance(fmt.schema, dict):
-        raise RequestError("text.format json_schema needs `schema`, a JSON schema object", param="text")
-    return {"type": "json_schema", "schema": fmt.schema, "strict": bool(fmt.strict), "name": fmt.name}
+    return intent.response_format(fmt.type, fmt.schema, strict=fmt.strict, name=fmt.name, words=WORDS)
