@@ -22,7 +22,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
+from structlog.testing import capture_logs
 
+from mlxd.api import respond
+from mlxd.api.respond import ClientDisconnected, Trace
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, RequestHandle, Token
 from mlxd.engine.commands import Accept, Cancel, Clear, Evict, RequestSpec
@@ -31,6 +34,7 @@ from mlxd.engine.prefix import PromptReuse
 from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.scheduler import SequenceState
 from mlxd.engine.step.sampling import make_request_sampler
+from mlxd.pipeline.job import Job
 from tests.helpers import ROOT, free_port, wait_healthy, write_config
 
 CHUNK = 16
@@ -204,6 +208,45 @@ def test_a_prompt_keeps_one_chunk_snapshot_besides_its_checkpoints(model_fixture
     keep_chunks(model, reuse, prompt, [16, 32, 48], num_cached=16)
     assert reuse.lookup(prompt[:16] + [7] * 8).num_cached == 16
     assert reuse.stats()["num_entries"] == (2 if hybrid else 1)
+
+
+def left_trace() -> Trace:
+    """The trace of a request the engine took on and whose client then left."""
+    job = Job("req-1", "tiny", prompt_ids=list(range(80)))
+    trace = Trace(job, "completions", started=time.monotonic(), in_engine=True)
+    trace.fail(ClientDisconnected("the client disconnected"))
+    return trace
+
+
+def test_the_line_of_a_client_that_left_waits_for_the_engines_account():
+    async def go() -> list[dict[str, Any]]:
+        trace = left_trace()
+        with capture_logs() as logs:
+            trace.log()
+            await asyncio.sleep(0.05)
+            assert not [e for e in logs if e["event"] == "request"]  # the engine has not let it go yet
+            trace.engine_ended(Finished(reason="cancelled", num_prompt_tokens=80, num_cached_tokens=16,
+                                        cache_hit="prefix", num_prompt_computed=32, queued_s=0.01, prefill_s=1.5))
+            await asyncio.sleep(0.01)
+        return [e for e in logs if e["event"] == "request"]
+
+    (line,) = asyncio.run(go())
+    assert line["outcome"] == "client disconnected" and line["finish_reason"] == "cancelled"
+    assert (line["cached_tokens"], line["prompt_tokens_computed"], line["cache_hit"]) == (16, 32, "prefix")
+    assert (line["queued_s"], line["prefill_s"]) == (0.01, 1.5)
+
+
+def test_without_the_engines_account_the_line_is_written_after_a_bounded_wait(monkeypatch):
+    monkeypatch.setattr(respond, "ENGINE_ACCOUNT_WAIT_S", 0.05)
+
+    async def go() -> list[dict[str, Any]]:
+        with capture_logs() as logs:
+            left_trace().log()
+            await asyncio.sleep(0.3)
+        return [e for e in logs if e["event"] == "request"]
+
+    (line,) = asyncio.run(go())
+    assert line["outcome"] == "client disconnected" and line["prompt_tokens_computed"] is None
 
 
 # ---- over HTTP: a streaming client that closes its socket after two of five chunks ----

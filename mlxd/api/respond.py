@@ -150,9 +150,13 @@ _WAITING: set[asyncio.Task] = set()
 
 
 async def _write_when(ended: asyncio.Future, trace: Trace) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(ended, ENGINE_ACCOUNT_WAIT_S)
-    trace._write()
+    """Write ``trace``'s line once ``ended`` is done; without the engine's account after the wait or when the
+    server shuts down first."""
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended, ENGINE_ACCOUNT_WAIT_S)
+    finally:
+        trace._write()
 
 
 def _num_computed(end: Finished | None, done: Done | None) -> int | None:
