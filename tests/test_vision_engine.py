@@ -74,7 +74,7 @@ def loaded_model(path, counting: bool = False):
 
 def request(request_id: str, prompt: list[int], media: Any, max_tokens: int = 10) -> EngineRequest:
     return EngineRequest(request_id=request_id, prompt=prompt, max_tokens=max_tokens, media=media,
-                         prefill_chunk=512)
+                         route="text" if media is None else "vision", prefill_chunk=512)
 
 
 def last_logits(model: VisionLanguageModel, prompt: list[int], media: Any, chunk: int) -> mx.array:
@@ -232,3 +232,23 @@ def test_preparing_images_never_switches_the_process_wide_mlx_device(family, tin
     ids, media = prompts("What is in this picture?", 3)
     assert media.spans and len(ids) > media.spans[0][1]
     assert switches == []
+
+
+def test_a_request_routed_vision_has_its_images_encoded_on_the_encoder_thread(tiny_vlm):
+    """The engine acts on the route decision the request carries: ``vision`` holds the request until the encoder
+    thread has its images' features (one job), and the output is that of in-step encoding."""
+    loaded = loaded_model(tiny_vlm("qwen2_5_vl"))
+    prompt, media = Prompts(loaded)("Picture: describe it.", 41)
+    outputs, jobs = [], []
+    for thread in (False, True):
+        config = EngineConfig(max_running=2, prefix_cache_bytes=0, warmup_tokens=1, vision_encoder_thread=thread)
+        engine = BatchedEngine(loaded.model, config)
+        engine.start()
+        try:
+            outputs.append(asyncio.run(collect_tokens(engine, request("v", prompt, media))))
+            encoder = engine.vision.encoder
+            jobs.append(encoder.num_jobs if encoder is not None else None)
+        finally:
+            engine.stop()
+    assert jobs == [None, 1]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 10

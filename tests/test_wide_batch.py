@@ -96,6 +96,7 @@ def test_64_rows_with_8_image_and_8_constrained_rows_equal_their_solo_outputs(fa
         kind = i % 8  # rows 0, 8, 16, ...: an image; rows 4, 12, 20, ...: a grammar; the rest plain text
         prompt, media = prompts(text(i), 100 + i) if kind == 0 else prompts(text(i))
         return EngineRequest(request_id=f"{tag}-{i}", prompt=prompt, media=media, prefill_chunk=256,
+                             route="text" if media is None else "vision",
                              max_tokens=24 if kind == 4 else MAX_TOKENS, stop_token_ids=eos,
                              logits_processors=factory if kind == 4 else None)
 

@@ -77,7 +77,8 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     checkpoints: tuple[int, ...] = ()
     # Images (vision requests): their prompt chunks are run with the images' features merged in.
     media: Media | None = None
-    # For /v1/status only: the path the ``route`` stage chose, and the rendered prompt (chat template applied).
+    # The path the ``route`` stage chose: "vision" (the engine encodes the images and merges their features
+    # into the prompt's chunks) or "text". The rendered prompt (chat template applied) is for /v1/status only.
     route: str = "text"
     prompt_text: str = ""
     # Per-request constraints (a grammar, say): a factory the engine calls once per row for a fresh list of mlx-lm

@@ -237,7 +237,7 @@ class EngineCore:
                                   else {"mode": "speculative", "drafter": mode.drafter, "k": mode.k})
         vision = self.runner.vision
         try:
-            if submitted.request.media is not None and vision is not None:
+            if submitted.request.route == "vision" and vision is not None:
                 submitted.state.encoding = vision.hold(submitted.request)
             submitted.cache_key = prompt_key(submitted.request)
             self._start_after(submitted, self.reuse.lookup(submitted.cache_key))
