@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
 import structlog
 from mlx_lm import load
@@ -16,10 +17,13 @@ from mlxd.engine.engine import BatchedEngine
 from mlxd.engine.schedule.memory import (
     MAX_DERIVED_RUNNING,
     MAX_DERIVED_RUNNING_GPU,
+    MAX_PASS_TOKENS,
+    PASS_PROBE_TOKENS,
     TYPICAL_CONTEXT_TOKENS,
     KVCost,
     MemoryBudget,
     derive_max_running,
+    max_pass_tokens,
     measure_memory,
 )
 from tests.test_batched_engine import collect_tokens
@@ -140,3 +144,23 @@ def test_on_a_gpu_the_derived_width_reaches_64_now_that_warm_up_visits_buckets_o
     assert derive_max_running(h100, prefix_cache_bytes=2 * GiB, cap=MAX_DERIVED_RUNNING_GPU).max_running == 64
     small = MemoryBudget(limit_bytes=int(10.7 * GB), weights_bytes=int(4.6 * GB), kv=QWEN3_8B_KV)
     assert derive_max_running(small, prefix_cache_bytes=0, cap=MAX_DERIVED_RUNNING_GPU).max_running == 8
+
+
+def test_a_burst_pass_may_hold_a_quarter_of_the_room_beside_the_weights(tiny_model_dir):
+    """The measured bytes a prompt pass holds per token cover at least its logits (every position's, float32 for the
+    tiny model); a pass of whole prompts may take a quarter of the room over them, between the step token budget
+    and MAX_PASS_TOKENS."""
+    model, _ = load(str(tiny_model_dir))
+    measured = measure_memory(model)
+    vocab = model(mx.zeros((1, 1), dtype=mx.uint32)).shape[-1]
+    assert vocab * 4 <= measured.pass_bytes_per_token < 64 * vocab * 4
+    h100 = MemoryBudget(limit_bytes=int(80 * GB * 0.9), weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV,
+                        pass_bytes_per_token=700_000)
+    assert max_pass_tokens(h100, 512) == MAX_PASS_TOKENS == 16384  # 64 prompts of 256 tokens in one pass
+    tight = MemoryBudget(limit_bytes=17 * GB, weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV,
+                         pass_bytes_per_token=700_000)
+    assert max_pass_tokens(tight, 512) == 512  # 0.6 GB beside the weights: the step token budget stands
+    mid = MemoryBudget(limit_bytes=10 * GB, weights_bytes=2 * GB, kv=QWEN3_8B_KV, pass_bytes_per_token=1_000_000)
+    assert max_pass_tokens(mid, 512) == 2 * GB // 1_000_000
+    assert max_pass_tokens(MemoryBudget(limit_bytes=10 * GB, weights_bytes=2 * GB, kv=QWEN3_8B_KV), 512) == 512
+    assert PASS_PROBE_TOKENS >= 64

@@ -4,7 +4,10 @@ Measured once, on the engine thread at warm-up, through mlx-lm's cache protocol 
 layer's ``max_size``), so any architecture is counted the same way: two fresh request caches are fed ``step`` and
 ``2 * step`` tokens in one pass each, and each layer's ``nbytes`` says what it holds. A layer that grows between the
 two (attention KV) costs bytes per token; one that does not (a recurrent ``ArraysCache``) costs fixed bytes; a
-rotating layer grows until its window is full. Only graph shapes are read: nothing is evaluated.
+rotating layer grows until its window is full. Only graph shapes are read: nothing is evaluated there. What a prompt
+pass holds besides (activations, and logits for every position: 300 KB a token at a vocabulary of 152k in bf16) is
+measured once, by evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens and reading MLX's peak memory; it bounds how
+many prompt tokens one pass of a burst may take (:func:`max_pass_tokens`).
 
 What a request reserves is what its cache can grow to, prompt + ``max_tokens``, rounded up to the 256-token step in
 which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``), so
@@ -75,6 +78,8 @@ class MemoryBudget:
     limit_bytes: int
     weights_bytes: int
     kv: KVCost
+    # Bytes a prompt pass holds per token while it runs (0: not measured).
+    pass_bytes_per_token: int = 0
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -93,7 +98,8 @@ def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0) ->
     Raises :class:`ConfigError` when the weights alone do not fit the limit: no request could ever be served.
     """
     limit = limit_bytes or default_limit_bytes()
-    budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size))
+    budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size),
+                          measure_pass_bytes(model, max_kv_size))
     if budget.kv_budget_bytes <= 0:
         origin = "[engine] memory_limit_bytes" if limit_bytes else "the default memory limit"
         raise ConfigError(
@@ -122,6 +128,42 @@ def measure_kv_cost(model: Any, max_kv_size: int = 0) -> KVCost:
         else:
             per_token += grown
     return KVCost(fixed, per_token, tuple(sorted(windows.items())), step)
+
+
+# The prompt pass measured for its transient memory: long enough that per-token arrays dominate what does not grow.
+PASS_PROBE_TOKENS = 128
+
+
+def measure_pass_bytes(model: Any, max_kv_size: int = 0) -> int:
+    """Bytes per token one prompt pass holds at its peak (activations, every position's logits, the KV it writes),
+    from evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens into a fresh request cache."""
+    mx.eval(model.parameters())
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    cache = make_request_cache(model, max_kv_size)
+    logits = model(mx.zeros((1, PASS_PROBE_TOKENS), dtype=mx.uint32), cache=cache)
+    mx.eval(logits[:, -1, :])
+    num_bytes = max(0, mx.get_peak_memory() - before)
+    del logits, cache
+    return -(-num_bytes // PASS_PROBE_TOKENS)
+
+
+# A pass of whole prompts arriving together (a burst) may take this share of what the limit leaves beside the weights,
+# and at most MAX_PASS_TOKENS tokens. The share is transient (the pass's arrays are freed when it ends) and comes on
+# top of the KV reservations, which count what caches can grow to, not what they hold when a burst starts; beyond the
+# limit the device keeps GPU_MEMORY_SHARE's remainder (CUDA) or a quarter of RAM (CPU).
+PASS_SHARE = 0.25
+MAX_PASS_TOKENS = 16384
+
+
+def max_pass_tokens(budget: MemoryBudget, step_token_budget: int) -> int:
+    """The prompt tokens one pass of whole prompts may hold: :data:`PASS_SHARE` of the room beside the weights over
+    the measured bytes per token, in ``[step_token_budget, MAX_PASS_TOKENS]``. On an H100 beside a bf16 8B model
+    (55 GB of room; 0.3 MB a token of logits alone) that is 16,384: a burst of 64 prompts of 256 tokens in one pass."""
+    if not budget.pass_bytes_per_token:
+        return step_token_budget
+    tokens = int(budget.kv_budget_bytes * PASS_SHARE) // budget.pass_bytes_per_token
+    return max(step_token_budget, min(MAX_PASS_TOKENS, tokens))
 
 
 def _layer_bytes(model: Any, num_tokens: int, max_kv_size: int) -> list[tuple[int, int | None]]:
