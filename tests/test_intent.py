@@ -369,3 +369,11 @@ def test_the_billing_header_block_is_left_out_of_the_system_prompt(blocks, syste
 ])
 def test_plain_tool_choices(choice, expected):
     assert intent.plain_tool_choice(choice) == expected
+
+
+def test_check_not_empty():
+    intent.check_not_empty([{"role": "user"}], "messages")
+    intent.check_not_empty("x", "prompt")
+    for empty in ([], "", None):
+        error = refusal(intent.check_not_empty, empty, "input")
+        assert (error.message, error.param) == ("`input` must not be empty", "input")

@@ -82,7 +82,7 @@ def messages_job(body: MessagesRequest, model: str, defaults: SamplingDefaults) 
 def prompt_job(body: MessagesRequest | CountTokensRequest, model: str) -> Job:
     """A job holding what shapes the prompt (messages, tools, tool choice, thinking switch): enough for
     ``/v1/messages/count_tokens``."""
-    intent.require(body.messages, "messages")
+    intent.check_not_empty(body.messages, "messages")
     if body.messages[-1].role == "assistant":
         raise RequestError("the last message must not be an assistant message: mlxd does not continue (prefill) "
                            "an assistant turn", param="messages")

@@ -154,7 +154,7 @@ def stops(value: str | Sequence[str] | None, param: str) -> list[str]:
     return check_stops([value] if isinstance(value, str) else list(value or []), param)
 
 
-def require(items: Sequence[Any] | str | None, param: str) -> None:
+def check_not_empty(items: Sequence[Any] | str | None, param: str) -> None:
     """A 400 naming ``param`` when the request's messages (or prompt, or input) are empty."""
     if not items:
         raise RequestError(f"`{param}` must not be empty", param=param)

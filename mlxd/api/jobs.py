@@ -49,7 +49,7 @@ def check_vocabulary(body: SamplingFields, model: ModelInfo | None) -> None:
 
 def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults, max_n: int = 8) -> Job:
     _check_n(body, max_n)
-    intent.require(body.messages, "messages")
+    intent.check_not_empty(body.messages, "messages")
     tools = msgspec.to_builtins(body.tools) if body.tools else None
     choice, tools = intent.resolve_tool_choice(_tool_choice(body.tool_choice), tools)
     if body.top_logprobs is not None and not body.logprobs:
@@ -105,7 +105,7 @@ def completion_job(body: CompletionRequest, model: str, defaults: SamplingDefaul
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs is not supported: mlxd does not score prompt tokens",
                            param="echo")
-    intent.require(body.prompt, "prompt")
+    intent.check_not_empty(body.prompt, "prompt")
     return Job(
         request_id=new_request_id("cmpl"),
         model=model,

@@ -125,8 +125,7 @@ def _messages(instructions: str | None, items: str | list[dict[str, Any]], reque
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
-    if not items:
-        raise RequestError("`input` must not be empty", param="input")
+    intent.check_not_empty(items, "input")
     dropped: Counter[str] = Counter()
     for i, item in enumerate(items):
         where = f"input[{i}]"
