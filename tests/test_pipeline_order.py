@@ -233,3 +233,40 @@ def test_forced_output_without_a_parse_stage_is_refused_naming_the_field(fields,
     with pytest.raises(RequestError) as info:
         asyncio.run(drain())
     assert info.value.param == param and "no `parse` stage" in info.value.message
+
+
+# The declarations are honest: what each built-in stage's prepare writes is among what it declares to provide.
+
+def _written_by_each_stage(pipeline, job: Job) -> dict[str, set[str]]:
+    written = {}
+    for name, stage in pipeline.stages:
+        before = {field: getattr(job, field) for field in JOB_FIELDS}
+        stage.prepare(job)
+        written[name] = {field for field in JOB_FIELDS if getattr(job, field) is not before[field]}
+    return written
+
+
+def test_each_stage_writes_only_what_it_declares(tiny_model_dir, tiny_vlm, tmp_path):
+    from tests.helpers import app_client, write_config
+    from tests.vision_helpers import user_with_images
+
+    text_jobs = [
+        Job(request_id="chat", model="tiny", messages=[{"role": "developer", "content": "Be brief."},
+                                                       {"role": "user", "content": "Hello?"}]),
+        Job(request_id="completion", model="tiny", prompt="Once upon a time", max_tokens=10**6,
+            clamp_max_tokens=True),
+    ]
+    vision_jobs = [Job(request_id="image", model="tiny", messages=[user_with_images("What is it?", 3)])]
+    seen: dict[str, set[str]] = {name: set() for name in CHAT}
+    for model_dir, jobs in ((tiny_model_dir, text_jobs), (tiny_vlm("qwen2_5_vl"), vision_jobs)):
+        (tmp_path / model_dir.name).mkdir()
+        with app_client(write_config(tmp_path / model_dir.name, model_dir)) as (_, daemon):
+            for job in jobs:
+                for name, fields in _written_by_each_stage(daemon.pipeline, job).items():
+                    stage = dict(daemon.pipeline.stages)[name]
+                    assert fields <= declared(stage, "provides"), (name, job.request_id, fields)
+                    seen[name] |= fields
+                assert job.engine_request.route == job.route and job.engine_request.decode is job.decode
+    # Every declared field was seen written by some request (none is declared for show).
+    for name in CHAT:
+        assert seen[name] == declared(resolve_stage(name), "provides"), name
