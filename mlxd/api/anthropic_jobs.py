@@ -245,7 +245,7 @@ def _tool_choice(choice: ToolChoice | None) -> intent.ToolChoice:
     if isinstance(choice, ToolChoiceAny):
         return intent.ToolChoice("required", spelled="any")
     if isinstance(choice, ToolChoiceTool):
-        return intent.ToolChoice("named", name=choice.name, spelled="tool")
+        return intent.ToolChoice("named", name=choice.name)
     return intent.ToolChoice("auto")
 
 

@@ -17,6 +17,7 @@ The rules:
 - response format: ``text`` is none, ``json_object`` any JSON object, ``json_schema`` needs a schema object
   (:func:`response_format`);
 - stops: one string or a list, bounded (:func:`stops`);
+- messages (a prompt, input items): not empty (:func:`check_not_empty`);
 - vocabulary: ``top_k``, ``logit_bias`` keys and prompt ids below the model's vocabulary (:func:`check_vocabulary`).
 """
 
@@ -54,7 +55,7 @@ class Words:
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """A request's tool choice in neutral form: ``mode``, the function ``name`` when ``named``, and how the request
-    spelled it (``'required'``, ``'any'``: for errors)."""
+    spelled a forced choice (``'required'``, Anthropic's ``'any'``: for errors)."""
 
     mode: ToolMode = "auto"
     name: str | None = None
