@@ -270,3 +270,13 @@ def test_each_stage_writes_only_what_it_declares(tiny_model_dir, tiny_vlm, tmp_p
     # Every declared field was seen written by some request (none is declared for show).
     for name in CHAT:
         assert seen[name] == declared(resolve_stage(name), "provides"), name
+
+
+class OneString(Stage):
+    Config = NoOptions
+    needs = "prompt_ids"  # a string, not a set of names
+
+
+def test_a_declaration_that_is_not_a_set_of_names_is_a_config_error(tmp_path):
+    message = load_error(write_pipeline(tmp_path, [*CHAT, f"{__name__}:OneString"]))
+    assert f"stage 7 ({__name__}:OneString)" in message and "must be a set of Job field names" in message

@@ -100,7 +100,11 @@ def build_pipeline(tables: list[dict[str, Any]], source: str) -> Pipeline:
 
 def declared(stage: object, kind: str) -> frozenset[str]:
     """A stage's ``needs`` or ``provides`` (none for a stage that declares nothing)."""
-    return frozenset(getattr(stage, kind, None) or ())
+    value = getattr(stage, kind, None) or ()
+    if isinstance(value, str) or not all(isinstance(name, str) for name in value):
+        raise ConfigError(f"`{kind}` of stage {type(stage).__name__} must be a set of Job field names, "
+                          f"not {value!r}")
+    return frozenset(value)
 
 
 def check_order(stages: list[tuple[str, Stage]], source: str) -> None:
@@ -110,7 +114,10 @@ def check_order(stages: list[tuple[str, Stage]], source: str) -> None:
     available = set(REQUEST_FIELDS)
     for index, (type_name, stage) in enumerate(stages):
         where = f"{source}: stage {index} ({type_name})"
-        needs, provides = declared(stage, "needs"), declared(stage, "provides")
+        try:
+            needs, provides = declared(stage, "needs"), declared(stage, "provides")
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e.message}") from e
         unknown = sorted((needs | provides) - JOB_FIELDS)
         if unknown:
             raise ConfigError(f"{where}: declares {', '.join(unknown)}, not a field of Job "
