@@ -111,7 +111,7 @@ def check_order(stages: list[tuple[str, Stage]], source: str) -> None:
     """Every field a stage needs is a request field or provided by an earlier stage; every declared field is a
     field of :class:`Job`. ``ConfigError`` names ``source``, the stage and the field, and the later stage that
     provides it, if one does."""
-    available = set(REQUEST_FIELDS)
+    declarations = []
     for index, (type_name, stage) in enumerate(stages):
         where = f"{source}: stage {index} ({type_name})"
         try:
@@ -122,18 +122,22 @@ def check_order(stages: list[tuple[str, Stage]], source: str) -> None:
         if unknown:
             raise ConfigError(f"{where}: declares {', '.join(unknown)}, not a field of Job "
                               f"(fields: {', '.join(sorted(JOB_FIELDS))})")
+        declarations.append((where, needs, provides))
+    available = set(REQUEST_FIELDS)
+    for index, (where, needs, provides) in enumerate(declarations):
         missing = sorted(needs - available)
         if missing:
-            raise ConfigError(f"{where}: needs {_fields_and_providers(missing, stages[index + 1:], index + 1)}")
+            raise ConfigError(f"{where}: needs {_fields_and_providers(missing, stages, declarations, index)}")
         available |= provides
 
 
-def _fields_and_providers(missing: list[str], later: list[tuple[str, Stage]], first_index: int) -> str:
+def _fields_and_providers(missing: list[str], stages: list[tuple[str, Stage]],
+                          declarations: list[tuple[str, frozenset[str], frozenset[str]]], index: int) -> str:
     """``Job.a, Job.b, which no earlier stage provides (…)``, saying which later stage provides each, if one does."""
     notes = []
     for name in missing:
-        providers = [f"stage {first_index + i} ({type_name})" for i, (type_name, stage) in enumerate(later)
-                     if name in declared(stage, "provides")]
+        providers = [f"stage {later} ({stages[later][0]})" for later in range(index + 1, len(stages))
+                     if name in declarations[later][2]]
         notes.append(f"the later {providers[0]} provides Job.{name}: move that stage before this one" if providers
                      else f"no stage of this pipeline provides Job.{name}")
     return f"{', '.join(f'Job.{name}' for name in missing)}, which no earlier stage provides ({'; '.join(notes)})"
