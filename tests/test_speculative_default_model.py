@@ -1,9 +1,18 @@
 """Prompt lookup on the real embedded model (SmolLM2-135M-Instruct): asked to return a code snippet with one
 change, it copies most of it, and the copied spans come back as accepted drafts (more than 1.5 tokens a step); its
-greedy output is the one plain decoding gives."""
+greedy output is the one plain decoding gives.
+
+The drafts are judged with ``adaptive = false``: every step drafts ``k`` tokens when the prompt holds a match, so
+the counts depend on the greedy output alone (here 52 tokens in 19 steps, 35 of 72 drafts kept, run after run).
+With the default ``adaptive = true`` a row backs off when a verify step is measured to cost more plain steps than its
+drafts are expected to gain: wall-clock periods, so on a loaded machine the same output came in 1.53 to 2.17 tokens
+a step across three requests of one server (and 1.41 once in CI). That policy is tested on its own
+(tests/test_speculation_policy.py); this test asks what the drafter and the verification give."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 
 import httpx
@@ -26,9 +35,12 @@ ASK = f"Rename the function `area` to `rectangle_area` and return the whole code
 
 def test_prompt_lookup_on_the_default_model_accepts_copied_spans(tmp_path):
     locate_default_gguf(download=False)  # fails, never skips, without the wheel's GGUF
+    default = (ROOT / "configs" / "default.toml").read_text()
+    assert default.count('type = "batched"\n') == 1
     config = tmp_path / "default.toml"
-    config.write_text((ROOT / "configs" / "default.toml").read_text()
-                      + '\n[engine.speculative]\ndrafter = "prompt_lookup"\n')
+    # One row at a time is all this test sends; max_running = 1 keeps the start-up warm-up to that batch size.
+    config.write_text(default.replace('type = "batched"\n', 'type = "batched"\nmax_running = 1\n')
+                      + '\n[engine.speculative]\ndrafter = "prompt_lookup"\nadaptive = false\n')
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": ASK}], "temperature": 0,
             "max_tokens": 96}
     port = free_port()
@@ -38,5 +50,16 @@ def test_prompt_lookup_on_the_default_model_accepts_copied_spans(tmp_path):
         totals = httpx.get(base + "/v1/status", timeout=30).json()["speculative"]  # speculative requests only
     text = speculative["choices"][0]["message"]["content"]
     assert text == plain["choices"][0]["message"]["content"]
-    assert "perimeter" in text  # it did copy the code
-    assert totals["acceptance"] > 0.3 and totals["tokens_per_step"] > 1.5, totals
+    assert "def perimeter(width, height):" in text  # it did copy the code (this small model keeps `area`)
+    summaries = _decode_summaries(tmp_path / f"server-{port}.log")
+    assert totals["acceptance"] > 0.3 and totals["tokens_per_step"] > 1.5, (totals, summaries)
+
+
+def _decode_summaries(log: Path) -> list[object]:
+    """How each request decoded, from its log line (for a failure's message)."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            if isinstance(event := json.loads(line), dict) and "decode" in event:
+                found.append(event["decode"])
+    return found
