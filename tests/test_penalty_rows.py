@@ -85,3 +85,31 @@ def test_rows_of_several_penalty_settings_decode_together_as_alone(tiny_model_di
     # The shared settings' rows were processed together (8 once every window is full), the three of another
     # setting too; the row alone in its setting never was.
     assert max(group_sizes) == 8 and 3 in group_sizes and 1 not in group_sizes
+
+
+def test_rows_leaving_a_penalty_group_at_different_steps_keep_their_solo_output(tiny_model_dir):
+    """A group's windows roll forward while it keeps its rows; as rows finish one by one, the group is rebuilt, and
+    the last row goes on alone, each from the history its window gave back: every row equals its solo run."""
+    model, tokenizer = load(str(tiny_model_dir))
+    params = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3)
+    prompts = [tokenizer.encode(("once upon a time " * 4)[: 30 + 3 * i] + str(i)) for i in range(5)]
+    lengths = [30, 26, 22, 18, 40]
+
+    def alone(prompt: list[int], max_tokens: int) -> list[int]:
+        return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                            logits_processors=make_request_processors(params))]
+
+    engine = BatchedEngine(model, EngineConfig(max_running=8, prefix_cache_bytes=0, warmup_tokens=1))
+    engine.start()
+    try:
+        async def together():
+            return await asyncio.gather(*[
+                collect_tokens(engine, EngineRequest(request_id=f"q{i}", prompt=p, max_tokens=n, sampling=params,
+                                                     stop_token_ids=frozenset()))
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))])
+
+        got = asyncio.run(together())
+    finally:
+        engine.stop()
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        assert got[i] == alone(prompt, n), f"row {i}"

@@ -61,6 +61,8 @@ class DecodeBatch:
         self.speculative = False
         self.wants_hidden = False
         self._processing: list[int] = []
+        # Penalty groups whose rows stay together: (their rows, their windows of the last CONTEXT tokens).
+        self._windows: dict[tuple, tuple[tuple[Row, ...], mx.array]] = {}
         self._capturing = False
         self._ragged = 0
         # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
@@ -134,6 +136,7 @@ class DecodeBatch:
     def clear(self) -> None:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
         _release_drafts(self.rows)
+        self._windows = {}
         self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
         self._filler = 0
         self._rows_changed()
@@ -183,6 +186,8 @@ class DecodeBatch:
         A row whose own logits processing or sampling fails is recorded in :attr:`errors` instead.
         """
         self.waited_s = 0.0
+        if self.speculative:
+            self._release_windows({})  # a verify step processes every row from its own history
         spec = self.speculative_step
         lengths = spec.draft_lengths(self.rows) if self.speculative else None
         if lengths is not None:
@@ -284,17 +289,14 @@ class DecodeBatch:
         written back (one scatter), so rows without any cost nothing; rows sharing penalty settings are processed
         together (:mod:`mlxd.engine.step.penalties`). ``logits`` itself is left as it is."""
         if not self._processing:
+            self._release_windows({})
             return logits
         groups, alone = self._penalty_groups()
+        self._release_windows(groups)
         order, parts = [], []
         for key, members in groups.items():
-            windows = []
-            for i in members:
-                row = self.rows[i]
-                row.history = mx.concatenate([row.history, inputs[i : i + 1]])
-                windows.append(row.history[-CONTEXT:])
             order += members
-            parts.append(apply_penalties(key, mx.stack(windows), logits[mx.array(members)]))
+            parts.append(apply_penalties(key, self._group_windows(key, members, inputs), logits[mx.array(members)]))
         for i in alone:
             row = self.rows[i]
             try:
@@ -312,6 +314,31 @@ class DecodeBatch:
         out[mx.array(order)] = joined
         return out
 
+    def _group_windows(self, key: tuple, members: list[int], inputs: mx.array) -> mx.array:
+        """The group's windows ``(m, CONTEXT)``, this step's input tokens appended. While a group keeps its rows,
+        its windows roll forward in one operation (its rows' own histories wait, see :meth:`_release_windows`);
+        a new group builds them from each row's history."""
+        rows = tuple(self.rows[i] for i in members)
+        held = self._windows.get(key)
+        if held is not None and held[0] == rows:
+            windows = mx.concatenate([held[1][:, 1:], inputs[mx.array(members)][:, None]], axis=1)
+        else:
+            for i in members:
+                self.rows[i].history = mx.concatenate([self.rows[i].history, inputs[i : i + 1]])
+            windows = mx.stack([self.rows[i].history[-CONTEXT:] for i in members])
+        self._windows[key] = (rows, windows)
+        return windows
+
+    def _release_windows(self, groups: dict[tuple, list[int]]) -> None:
+        """Groups whose rows changed give each row its history back: its window, the last CONTEXT tokens (all the
+        penalties read), so that it may be processed alone or in another group."""
+        for key, (rows, windows) in list(self._windows.items()):
+            if key in groups and tuple(self.rows[i] for i in groups[key]) == rows:
+                continue
+            for j, row in enumerate(rows):
+                row.history = windows[j]
+            del self._windows[key]
+
     def _penalty_groups(self) -> tuple[dict[tuple, list[int]], list[int]]:
         """The rows with processors: groups of two or more sharing penalty settings with a full window of history
         (after this step's token), and the rest, which run their own processors."""
@@ -319,7 +346,8 @@ class DecodeBatch:
         alone = []
         for i in self._processing:
             row = self.rows[i]
-            if row.penalties is not None and row.history is not None and row.history.size + 1 >= CONTEXT:
+            if (row.penalties is not None and row.spec is None and row.history is not None
+                    and row.history.size + 1 >= CONTEXT):
                 groups.setdefault(row.penalties, []).append(i)
             else:
                 alone.append(i)
