@@ -119,19 +119,36 @@ class Daemon:
             self.on_fatal(reason)
 
     def load(self) -> None:
-        """Load the model, start and warm the engine, warm the pipeline's stages (blocking)."""
-        from mlxd.models.load import load, platform_summary
-        from mlxd.runtime.blas import mapped_blas, reference_blas_warning
-        from mlxd.runtime.progress import phase
-
+        """Load the model, start and warm the engine, warm the pipeline's stages (blocking); then ``ready``."""
         started = time.monotonic()
+        loaded = self._load_model()
+        self._start_engine(loaded)
+        self.model_info = self._model_info(loaded)
+        self.max_prompt_bytes = prompt_bytes_bound(loaded.context_length, loaded.tokenizer)
+        self._warm_up_pipeline(loaded)
+        self.load_s = time.monotonic() - started
+        self._become_ready(loaded, started)
+
+    def _load_model(self) -> Any:
+        """The model, its tokenizer and processor, on the served device; the config then takes the model's own
+        sampling defaults where ``[model.sampling]`` leaves them open."""
+        from mlxd.models.load import load
+
         loaded = load(self.config.model, self.base_dir, group=self.group)
         self.config = with_model_sampling(self.config, loaded.path)  # [model.sampling] > the model's > mlxd's
-        tokenizer = loaded.tokenizer
+        return loaded
+
+    def _start_engine(self, loaded: Any) -> None:
+        """Build the engine for the loaded model and start its thread (it warms up there); a dead engine later
+        calls :meth:`_engine_failed`."""
         self.engine = self._new_engine(loaded)
         self.engine.on_failure = self._engine_failed
         self.engine.start()
-        self.model_info = ModelInfo(
+
+    def _model_info(self, loaded: Any) -> ModelInfo:
+        """What the pipeline's stages know of the model."""
+        tokenizer = loaded.tokenizer
+        return ModelInfo(
             name=self.name,
             context_length=loaded.context_length,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
@@ -140,20 +157,30 @@ class Daemon:
             vocab_size=self.engine.vocab_size,  # the logits width, measured at warm-up
             image_token_id=getattr(loaded.model, "image_token_id", None),
         )
-        self.max_prompt_bytes = prompt_bytes_bound(loaded.context_length, tokenizer)
+
+    def _warm_up_pipeline(self, loaded: Any) -> None:
+        """Warm the pipeline's stages; for a vision model, bound Pillow's decoder first and send the warm-up
+        images through afterwards."""
+        from mlxd.runtime.progress import phase
+
         if loaded.kind == "vision":
             from mlxd.media.images import bound_pillow
 
             bound_pillow(self.config.vision.max_decode_pixels)
         with phase("pipeline_warm_up", stages=[name for name, _ in self.pipeline.stages]):
-            self.pipeline.warm_up(PipelineContext(self.config, self.model_info, tokenizer, self.engine,
+            self.pipeline.warm_up(PipelineContext(self.config, self.model_info, loaded.tokenizer, self.engine,
                                                   processor=loaded.processor, base_dir=self.base_dir))
         if loaded.kind == "vision":
             self._warm_up_images()
-        self.load_s = time.monotonic() - started
+
+    def _become_ready(self, loaded: Any, started: float) -> None:
+        """Settle the heap, turn ``ready`` (unless failed or draining meanwhile) and log ``model_ready``."""
+        from mlxd.models.load import platform_summary
+        from mlxd.runtime.blas import mapped_blas, reference_blas_warning
+
         PAUSES.install()
         frozen = freeze_loaded_objects() if self.freeze_heap else None
-        if self.state == "loading":  # not failed or draining meanwhile
+        if self.state == "loading":
             self.state = "ready"
         blas, summary = mapped_blas(), platform_summary()
         log.info(
