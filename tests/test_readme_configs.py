@@ -1,0 +1,66 @@
+"""The README's TOML blocks, read as written: the example config (with the speculative and distributed tables the
+README adds to it) is a valid mlxd config holding the values the README says, the built-in pipeline it prints is
+the one the package ships, and the plugin and Codex snippets say what the examples next to them use."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+from mlxd.config import load_config
+from mlxd.launch import launch_command
+from tests.test_readme_examples import readme_block
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def my_toml(tmp_path: Path, *extra: str) -> Path:
+    path = tmp_path / "my.toml"
+    path.write_text("\n".join([readme_block("toml", "# my.toml"), *extra]))
+    return path
+
+
+def test_the_example_config_is_valid_and_says_what_the_readme_says(tmp_path):
+    config = load_config(my_toml(tmp_path))
+    assert (config.pipeline, config.server.host, config.server.port) == ("chat", "127.0.0.1", 8080)
+    assert (config.model.source, config.model.name, config.model.aliases) == (
+        "~/models/Qwen3-4B-4bit", "qwen3-4b", ["gpt-*", "claude-*"])
+    assert (config.model.sampling.temperature, config.model.sampling.max_tokens) == (0.7, 1024)
+
+
+def test_the_speculative_table_turns_prompt_lookup_on(tmp_path):
+    config = load_config(my_toml(tmp_path, readme_block("toml", "[engine.speculative]")))
+    assert (config.engine.speculative.drafter, config.engine.speculative.k) == ("prompt_lookup", 4)
+
+
+def test_the_distributed_table_launches_one_rank_per_host(tmp_path):
+    path = my_toml(tmp_path, readme_block("toml", "[distributed]"))
+    settings = load_config(path).distributed
+    assert (settings.backend, settings.hosts, settings.tensor_parallel) == (
+        "ring", ["192.168.1.10", "192.168.1.11"], 2)
+    command = launch_command(argparse.Namespace(config=path, host=None, port=None))
+    assert command[command.index("--backend") + 1] == "ring"
+    assert command[command.index("--hosts") + 1] == "192.168.1.10,192.168.1.11"
+    assert command[command.index("--") + 1:][-2:] == ["--config", str(path.resolve())]
+
+
+def test_the_printed_chat_pipeline_is_the_shipped_one():
+    shown = tomllib.loads(readme_block("toml", "# mlxd/pipelines/chat.toml"))
+    assert shown == tomllib.loads((ROOT / "mlxd" / "pipelines" / "chat.toml").read_text())
+
+
+def test_the_plugin_entry_point_names_the_stage_the_example_registers():
+    entry = tomllib.loads(readme_block("toml", '[project.entry-points."mlxd.stages"]'))
+    target = entry["project"]["entry-points"]["mlxd.stages"]["redact"]
+    table = tomllib.loads(readme_block("toml", 'type = "my_package.stages:Redact"'))
+    assert target == table["pipeline"]["stages"][0]["type"]
+    assert "class Redact(Stage)" in readme_block("python", "# my_package/stages.py")
+
+
+def test_the_codex_provider_points_at_the_default_server_s_responses_api():
+    codex = tomllib.loads(readme_block("toml", 'model_provider = "mlxd"'))
+    default = load_config(ROOT / "configs" / "default.toml")
+    provider = codex["model_providers"][codex["model_provider"]]
+    assert provider["base_url"] == f"http://{default.server.host}:{default.server.port}/v1"
+    assert provider["wire_api"] == "responses"
