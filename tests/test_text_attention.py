@@ -111,3 +111,13 @@ def test_other_families_are_left_alone():
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
                            max_position_embeddings=128, rope_theta=10000.0, head_dim=8, tie_word_embeddings=True)
     assert use_cpu_text_attention(qwen3.Model(args)) == 0
+
+
+def test_load_swaps_them_on_the_cpu(tiny_model_dir):
+    """mlxd's load of a Llama folder on the CPU serves prompt passes through the blocked attention."""
+    from mlxd.config.schema import ModelConfig
+    from mlxd.models.load import load
+
+    assert mx.default_device() == mx.cpu
+    model = load(ModelConfig(source=str(tiny_model_dir))).model
+    assert all(isinstance(layer.self_attn, CpuTextAttention) for layer in model.model.layers)

@@ -157,6 +157,8 @@ def _load_folder(config: ModelConfig, folder: Path, base_dir: Path | None, group
         _use_tower_attention(model)
     if group is not None:
         shard(model, group)
+    elif mx.default_device() == mx.cpu:
+        _use_cpu_text_attention(model.text_twin if kind == "vision" else model)
     if dtype is not None or group is not None:
         mx.eval(model.parameters())
     if config.small_batch_kernel and mx.cuda.is_available():
@@ -202,6 +204,18 @@ def _use_tower_attention(model: Any) -> None:
         swapped = use_cpu_vision_attention(model.vlm)
         if swapped:
             log.info("cpu_vision_attention", layers=swapped)
+
+
+def _use_cpu_text_attention(model: Any) -> None:
+    """On the CPU, text models' prompt passes attend through numpy in blocks (:mod:`mlxd.models.text_attention`):
+    a text model's, a vision model's text twin's (``None`` when it has none)."""
+    from mlxd.models.text_attention import use_cpu_text_attention
+
+    if model is None:
+        return
+    swapped = use_cpu_text_attention(model)
+    if swapped:
+        log.info("cpu_text_attention", layers=swapped)
 
 
 def shard(model: Any, group: Any) -> None:

@@ -26,8 +26,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-BLOCK_QUERIES = 384  # stacked query rows (heads sharing a key head x positions) a block
-BLOCK_KEYS = 1024  # keys a block: 384 x 1,024 float32 scores are 1.5 MiB, about a core's cache
+BLOCK_QUERIES = 3072  # stacked query rows (heads sharing a key head x positions) a block
+BLOCK_KEYS = 1024  # keys a block: 3,072 x 1,024 float32 scores, 12 MiB
 
 
 def supports(q: mx.array, k: mx.array, mask: mx.array | str | None) -> bool:
