@@ -178,6 +178,41 @@ def test_rows_are_counted_padded_to_the_largest_reservation():
     assert scheduler.num_reserved_bytes_with(scheduler.waiting[0]) == 450
 
 
+def test_rows_of_a_padded_decode_batch_count_at_its_bucket_width():
+    """Where the engine pads decode steps to buckets (1, 2, 4, 8, ...), the filler rows hold KV too: three requests
+    of 100 bytes occupy four rows."""
+    scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=350)
+    scheduler.row_width = lambda n: 1 << (n - 1).bit_length()
+    for name in "abc":
+        scheduler.add(seq(name, 4, kv=100))
+    assert admitted(scheduler) == ["a", "b"]  # a third row would occupy a bucket of 4: 400 bytes
+    assert scheduler.num_reserved_bytes == 200
+    assert scheduler.num_reserved_bytes_with(scheduler.waiting[0]) == 400
+
+
+def test_a_burst_of_whole_prompts_starts_in_one_step_up_to_max_pass_tokens():
+    """64 prompts of 256 tokens: 2 a step within a budget of 512; all 64, one group pass, when a pass may hold
+    16384 tokens; as many as fit a smaller pass, in order; a decoding row keeps its token either way."""
+    def burst(max_pass_tokens: int) -> tuple[list[str], list[list[str]]]:
+        scheduler = Scheduler(max_running=65, max_waiting=64, step_token_budget=512)
+        scheduler.max_pass_tokens = max_pass_tokens
+        scheduler.add(seq("decoding", 4, chunk=512))
+        scheduler.on_prefilled(scheduler.schedule().prefill[0][0], 4)
+        for i in range(64):
+            scheduler.add(seq(f"p{i}", 256, chunk=512))
+        plan = scheduler.schedule()
+        assert [s.request_id for s in plan.decode] == ["decoding"]
+        return [s.request_id for s, _ in plan.prefill], [[s.request_id for s in g] for g in prompts_to_batch(
+            plan.prefill)]
+
+    started, groups = burst(0)
+    assert started == ["p0"]  # the decoding row's token and one chunk of 256 leave 255: p1 waits
+    started, groups = burst(16384)
+    assert started == [f"p{i}" for i in range(64)] and groups == [started]
+    started, _ = burst(1000)
+    assert started == ["p0", "p1", "p2"]
+
+
 def test_nothing_overtakes_a_head_that_does_not_fit():
     scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=300)
     scheduler.add(seq("a", 4, kv=100))

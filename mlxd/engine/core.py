@@ -46,6 +46,7 @@ from mlxd.engine.schedule.memory import (
     MemoryBudget,
     RunningLimit,
     derive_max_running,
+    max_pass_tokens,
     measure_memory,
 )
 from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, prompts_to_batch
@@ -131,13 +132,22 @@ class EngineCore:
         self.memory = measure_memory(model, limit_bytes=self.config.memory_limit_bytes,
                                      max_kv_size=self.config.max_kv_size)
         self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
+        # Whole prompts share a pass only where caches can be merged left-padded (trimmable: prompts_to_batch);
+        # elsewhere a burst would run one pass per prompt in a single step, and decoding rows would wait for all.
+        self.scheduler.max_pass_tokens = (max_pass_tokens(self.memory, self.config.step_token_budget)
+                                          if self.runner.trimmable else 0)
         mx.set_cache_limit(self.memory.cache_limit_bytes)
         log.info("memory_budget", limit_bytes=self.memory.limit_bytes, weights_bytes=self.memory.weights_bytes,
                  kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
-                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes)
+                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes,
+                 pass_bytes_per_token=self.memory.pass_bytes_per_token,
+                 max_pass_tokens=self.scheduler.max_pass_tokens)
         self._set_max_running()
         with phase("warm_up", max_running=self.config.max_running):
             self.runner.warm_up()
+        buckets = self.runner.batch.buckets
+        if buckets is not None and buckets.decode:  # the decode batch pads its rows to a bucket: admission counts it
+            self.scheduler.row_width = buckets.width
 
     def _set_max_running(self) -> None:
         """``[engine] max_running`` as set, or (0) derived from the memory budget; logged with where it came from.

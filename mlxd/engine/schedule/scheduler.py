@@ -7,13 +7,14 @@ A request waits in ``waiting`` until a running slot is free, then runs in two ph
 chunks of its ``prefill_chunk`` tokens) and ``decode`` (one token per step, batched with every other decoding
 request). Each step spends at most ``step_token_budget`` tokens: every decoding request gets its token, prompt chunks
 take what is left (the first chunk of a step always goes, so a prompt is never starved by a full decode batch).
-Chunks are never split by the budget, so an n-token prompt takes exactly ceil(n / chunk) forward passes. Nothing is
-preempted.
+Chunks are never split by the budget, so an n-token prompt takes exactly ceil(n / chunk) forward passes. A burst of
+whole text prompts at the head of the queue may start together beyond the budget, up to ``max_pass_tokens`` (what
+memory allows one pass to hold; 0: off), in one pass beside the decode step. Nothing is preempted.
 
 Memory: each request carries ``num_kv_bytes``, what its KV cache can grow to (prompt + ``max_tokens``), and the
 running requests may reserve at most ``kv_budget_bytes`` together. In the decode batch every row is left-padded to
-the longest one, so ``num_running`` requests reserve ``num_running x`` the largest ``num_kv_bytes`` among them, not
-the sum. The head of the queue is admitted only when it fits; nothing overtakes it (FIFO), so a large request waits
+the longest one, so ``num_running`` requests reserve ``row_width(num_running) x`` the largest ``num_kv_bytes`` among
+them, not the sum (``row_width``: the rows the batch occupies, filler rows of a padded bucket included). The head of the queue is admitted only when it fits; nothing overtakes it (FIFO), so a large request waits
 for room instead of being starved by small ones. Reservations end when a request is removed.
 
 A request whose images are still being encoded (``encoding``, beside the engine's steps) waits in the queue without
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,6 +128,11 @@ class Scheduler:
         # Bytes the running requests' KV caches may reserve together; None: no limit. The engine lowers it by
         # what the prefix cache holds, each step.
         self.kv_budget_bytes = kv_budget_bytes
+        # Tokens of whole text prompts one step may start together, in one pass, beyond step_token_budget (a
+        # burst); the engine sets it from what memory allows (mlxd.engine.schedule.memory.max_pass_tokens). 0: none.
+        self.max_pass_tokens = 0
+        # The rows a decode batch of n requests occupies: n, or its bucket where the engine pads decode steps.
+        self.row_width: Callable[[int], int] = _as_is
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
 
@@ -167,9 +174,10 @@ class Scheduler:
         return self.num_reserved_bytes_with()
 
     def num_reserved_bytes_with(self, *sequences: SequenceState) -> int:
-        """:attr:`num_reserved_bytes` once ``sequences`` run too (none given: as things are)."""
+        """:attr:`num_reserved_bytes` once ``sequences`` run too (none given: as things are); the decode batch
+        holds ``row_width(rows)`` rows (its bucket, filler rows included: :mod:`mlxd.engine.step.buckets`)."""
         rows = [*self.running, *sequences]
-        return len(rows) * max((s.num_kv_bytes for s in rows), default=0)
+        return self.row_width(len(rows)) * max((s.num_kv_bytes for s in rows), default=0)
 
     def num_bytes_needed(self, budget_bytes: int) -> int:
         """What the requests need of ``budget_bytes`` now: the running ones' reservation, with the head of the
@@ -228,7 +236,25 @@ class Scheduler:
                 self.admit()
             prefill.append((sequence, num_tokens))
             budget -= num_tokens
+        if self.max_pass_tokens:
+            prefill += self._admit_burst(prefill)
         return StepPlan(prefill, decode)
+
+    def _admit_burst(self, prefill: list[tuple[SequenceState, int]]) -> list[tuple[SequenceState, int]]:
+        """Admit whole text prompts from the head of the queue, in order, while this step's whole prompts hold at
+        most ``max_pass_tokens`` tokens together: a burst starts in one pass (:func:`prompts_to_batch` groups them)
+        instead of ``step_token_budget`` at a time, while every decoding request still gets its token this step."""
+        total = sum(n for s, n in prefill if _whole_text(s, n))
+        chosen = []
+        while self.can_admit():
+            head = self.head
+            num_tokens = head.next_chunk()
+            if not _whole_text(head, num_tokens) or total + num_tokens > self.max_pass_tokens:
+                break
+            self.admit()
+            chosen.append((head, num_tokens))
+            total += num_tokens
+        return chosen
 
     def _admit_behind(self, head: SequenceState, budget: int) -> list[tuple[SequenceState, int]]:
         """Admit whole prompts waiting behind ``head`` (which does not fit ``budget`` this step) that fit, in
@@ -262,6 +288,15 @@ class Scheduler:
                     queue.remove(sequence)
                     return sequence
         return None
+
+
+def _as_is(num_rows: int) -> int:
+    return num_rows
+
+
+def _whole_text(sequence: SequenceState, num_tokens: int) -> bool:
+    """Whether this chunk is a whole text prompt from its start (what a group pass of fresh prompts takes)."""
+    return sequence.num_prefilled == 0 and num_tokens == sequence.num_prompt_tokens and not sequence.with_images
 
 
 def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[list[SequenceState]]:

@@ -1,0 +1,56 @@
+"""A burst of 64 new prompts starts in one prompt pass when memory allows it, not step_token_budget tokens at a
+time, while rows already decoding get their token every step; each request equals its solo greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest
+from mlxd.engine.engine import BatchedEngine
+from tests.test_batched_engine import CountingModel, collect_tokens
+
+NUM_ROWS = 64
+
+
+def test_a_burst_of_64_prompts_starts_in_one_pass_beside_decoding_rows(tiny_qwen3_dir):
+    model, _ = load(str(tiny_qwen3_dir))
+    counting = CountingModel(model)
+    config = EngineConfig(max_running=NUM_ROWS + 4, max_waiting=NUM_ROWS, prefix_cache_bytes=0, warmup_tokens=1)
+    engine = BatchedEngine(counting, config)
+    engine.start()
+    counting.calls.clear()  # warm-up
+    assert config.step_token_budget == 512 and engine.scheduler.max_pass_tokens >= NUM_ROWS * 100
+    prompts = [[1 + (i * 31 + j * 7) % 900 for j in range(80 + i % 20)] for i in range(NUM_ROWS)]  # 80-99 tokens
+    early = [EngineRequest(request_id=f"early-{i}", prompt=[5 + i, 6, 7], max_tokens=40) for i in range(4)]
+    burst = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=4) for i, p in enumerate(prompts)]
+    try:
+        async def run():
+            decoding = [asyncio.create_task(collect_tokens(engine, r)) for r in early]
+            while not counting.calls or sum(1 for c in counting.calls if c.length == 1) < 3:
+                await asyncio.sleep(0.01)  # the early rows decode
+            counting.gate.clear()  # hold the engine so that the whole burst is queued at once
+            await asyncio.sleep(0.05)
+            counting.calls.clear()
+            tasks = [asyncio.create_task(collect_tokens(engine, r)) for r in burst]
+            await asyncio.sleep(0.2)
+            counting.gate.set()
+            return await asyncio.gather(*tasks), await asyncio.gather(*decoding)
+
+        got, _ = asyncio.run(run())
+    finally:
+        counting.gate.set()
+        engine.stop()
+    prompt_passes = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    assert prompt_passes == [(NUM_ROWS, 99)], prompt_passes  # one pass of all 64, padded to the longest
+    shapes = [(c.batch, c.length) for c in counting.calls]
+    joined = shapes.index((NUM_ROWS, 99))
+    assert all(shape == (4, 1) for shape in shapes[:joined])  # the early rows decoded while the burst was queued
+    assert shapes[joined + 1] == (NUM_ROWS + 4, 1)  # the same step decodes them and the burst's 64 rows together
+    for request, tokens in zip(burst, got, strict=True):
+        solo = [t for t, _ in generate_step(mx.array(request.prompt), model, max_tokens=request.max_tokens)]
+        assert tokens == solo, request.request_id
