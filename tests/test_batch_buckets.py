@@ -132,3 +132,32 @@ def test_warm_up_passes_follow_the_formula_and_stay_bounded_at_128(tiny_model_di
     assert count_passes(wide, Buckets(128)) == (128 + 1 + 4 * 18 + 2 * 19, 4 * 18 + 2 * 19 - 3, 4 * 19 + 2 * 89 + 18)
     every = count_passes(wide, None)
     assert every[0] > 3 * count_passes(wide, Buckets(128))[0] and every[2] > 6 * count_passes(wide, Buckets(128))[2]
+
+
+def test_padded_batches_with_image_rows_equal_their_solo_outputs(tiny_vlm):
+    """Image rows (multimodal positions: their RoPE offsets padded for the filler rows too) among text rows, in a
+    padded decode batch, give what each gives alone."""
+    from tests.test_vision_engine import Prompts, loaded_model
+    from tests.test_wide_batch import run_together, text
+
+    loaded = loaded_model(tiny_vlm("qwen2_5_vl"), counting=True)
+    model, prompts = loaded.model, Prompts(loaded)
+
+    def request(i: int, tag: str) -> EngineRequest:
+        prompt, media = prompts(text(i), 100 + i) if i % 3 == 0 else prompts(text(i))
+        return EngineRequest(request_id=f"{tag}-{i}", prompt=prompt, media=media, prefill_chunk=256,
+                             max_tokens=3 + i % 4)
+
+    config = EngineConfig(max_running=16, max_waiting=16, step_token_budget=8192, prefill_chunk=256,
+                          prefix_cache_bytes=0, warmup_tokens=1, batch_buckets="on")
+    engine = BatchedEngine(model, config)
+    engine.start()
+    try:
+        solo = [asyncio.run(collect_tokens(engine, request(i, "solo"))) for i in range(11)]
+        model.calls.clear()
+        together = run_together(engine, model.gate, [request(i, "mix") for i in range(11)])
+    finally:
+        engine.stop()
+    assert {batch for batch, length in model.calls if length == 1} <= set(bucket_widths(16))
+    assert (16, 1) in model.calls  # 11 rows decoded 16 wide
+    assert together == solo
