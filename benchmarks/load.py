@@ -223,7 +223,8 @@ def wait_ready(port: int, path: str, proc: subprocess.Popen, log: Path, timeout:
     raise RuntimeError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int, log_level: str = "warning") -> list[str]:
+def mlxd_command(model_path: str, port: int, tmp: Path, max_running: int, log_level: str = "warning",
+                 memory_gb: float = 0) -> list[str]:
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "mlxd.toml"
     config.write_text(f"""pipeline = "chat"
@@ -234,6 +235,7 @@ source = "{model_path}"
 name = "bench"
 [engine]
 max_running = {max_running}
+memory_limit_bytes = {int(memory_gb * 1024**3)}
 [logging]
 level = "{log_level}"
 format = "json"
@@ -247,7 +249,7 @@ def server_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
     if args.baseline_mlxd:  # another mlxd source tree (an earlier commit), served side by side with this one
         port = free_port()
         command = mlxd_command(args.model, port, tmp / "baseline", args.mlxd_max_running or max_concurrency,
-                               args.mlxd_log_level)
+                               args.mlxd_log_level, args.mlxd_memory_gb)
         env = {**tree_env(args.baseline_mlxd), **dict(item.split("=", 1) for item in args.baseline_env.split())}
         specs.append(("mlxd baseline (HTTP)", command, "/health", env))
     return specs
@@ -267,7 +269,7 @@ def _named_specs(args, tmp: Path, max_concurrency: int) -> list[tuple[str, list[
         port = free_port()
         if name == "mlxd":
             specs.append(("mlxd (HTTP)", mlxd_command(args.model, port, tmp, args.mlxd_max_running or max_concurrency,
-                                                      args.mlxd_log_level),
+                                                      args.mlxd_log_level, args.mlxd_memory_gb),
                           "/health"))
         elif name == "mlx_lm":
             specs.append(("mlx_lm.server (HTTP)", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
@@ -450,6 +452,9 @@ def main() -> None:
                         help="mlxd's log level (info: a line per request, with its queued and prefill times)")
     parser.add_argument("--mlxd-max-running", type=int, default=0,
                         help="[engine] max_running of every mlxd served (default: the highest --concurrency)")
+    parser.add_argument("--mlxd-memory-gb", type=float, default=0,
+                        help="[engine] memory_limit_bytes of every mlxd served, in GiB (0: the device's own), so that "
+                             "servers sharing one GPU each keep to a share")
     parser.add_argument("--baseline-mlxd", help="another mlxd source tree (e.g. `git worktree add ../base HEAD~3`), "
                                                "served side by side as 'mlxd baseline'")
     parser.add_argument("--baseline-env", default="",
