@@ -64,6 +64,7 @@ class DecodeBatch:
         # Penalty groups whose rows stay together: (their rows, their windows of the last CONTEXT tokens).
         self._windows: dict[tuple, tuple[tuple[Row, ...], mx.array]] = {}
         self._capturing = False
+        self._one_sampler = False  # every row samples alike: one sampler call a step
         self._ragged = 0
         # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
         self.waited_s = 0.0
@@ -118,6 +119,7 @@ class DecodeBatch:
         # What every plain step asks of the rows, found once per change of rows rather than once per step.
         self._processing = [i for i, row in enumerate(self.rows) if row.processors]
         self._capturing = any(row.num_logprobs is not None for row in self.rows)
+        self._one_sampler = bool(self.rows) and all(row.sampler_key == self.rows[0].sampler_key for row in self.rows)
 
     def keep_hidden(self, hidden: mx.array, kept: list[int] | None = None) -> None:
         """Hand each row that drafts from hidden states its own, ``(B, L, H)``: the first ``kept[i]`` positions of
@@ -217,7 +219,8 @@ class DecodeBatch:
         """One token per row, pipelined (see :meth:`step`); returns the tokens fed in."""
         inputs = self.inputs
         # The log-probabilities of the tokens fed in now, captured when they were sampled.
-        previous = {row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
+        previous = ({row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
+                    if self._capturing else {})
         fed = mx.concatenate([inputs, mx.zeros((self._filler,), dtype=inputs.dtype)]) if self._filler else inputs
         raw, hidden = forward(self.model, fed[:, None], self.cache, hidden=self.wants_hidden,
                               **self.position_inputs())
@@ -230,7 +233,8 @@ class DecodeBatch:
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         try:
-            self.inputs = self.share(sample(self.rows, logprobs))
+            sampled = self.rows[0].sampler(logprobs) if self._one_sampler else sample(self.rows, logprobs)
+            self.inputs = self.share(sampled)
             captured = capture_logprobs(self.rows, raw, self.inputs) if self._capturing else None
             mx.async_eval(self.inputs, *(captured.arrays if captured is not None else ()))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
