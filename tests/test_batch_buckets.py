@@ -127,9 +127,10 @@ def test_warm_up_passes_follow_the_formula_and_stay_bounded_at_128(tiny_model_di
     prompts = [shape for shape in recording.shapes if shape[1] > 1]
     counted = (len(prompts), sum(1 for b, _ in prompts if b > 1), sum(1 for _, n in recording.shapes if n == 1))
     assert counted == count_passes(config, Buckets(MAX_RUNNING))
-    # n + 1 + L (m - 1) + 2m prompt passes, T m + 2 (L (m - 1) + m - 2) + m - 1 decode steps (m widths, L lengths)
+    # L (m - 1) + 3m + 1 prompt passes (L (m - 1) + 3m - 5 groups), T m + (L + 2)(m - 1) - 1 decode steps
     wide = EngineConfig(max_running=128, warmup_tokens=4)
-    assert count_passes(wide, Buckets(128)) == (128 + 1 + 4 * 18 + 2 * 19, 4 * 18 + 2 * 19 - 3, 4 * 19 + 2 * 89 + 18)
+    assert count_passes(wide, Buckets(128)) == (4 * 18 + 3 * 19 + 1, 4 * 18 + 3 * 19 - 5, 4 * 19 + 6 * 18 - 1)
+    assert count_passes(wide, Buckets(128)) == (130, 124, 183)
     every = count_passes(wide, None)
     assert every[0] > 3 * count_passes(wide, Buckets(128))[0] and every[2] > 6 * count_passes(wide, Buckets(128))[2]
 

@@ -234,7 +234,7 @@ TYPICAL_CONTEXT_TOKENS = 4096
 MAX_DERIVED_RUNNING = 64
 # On GPU backends the same 64. It was 16 while warm-up met every batch width up to max_running (202 s at 64 rows on
 # an H200 with Qwen3-8B); decode steps and prompt groups now run at bucketed widths (mlxd.engine.step.buckets), and
-# warm-up visits those only: 12 widths at 64 rows (1, 2, 4, 8, 16, 24, ... 64), 127 prompt passes and 152 decode
+# warm-up visits those only: 12 widths at 64 rows (1, 2, 4, 8, 16, 24, ... 64), 74 prompt passes and 103 decode
 # steps, where every width took 565 and 1,256. An H100 (80 GB, 0.9 of it the limit) beside a bf16 8B model holds
 # about 88 rows of 4,096 tokens, an H200 about 190: both get 64. With [engine] batch_buckets = "off" warm-up meets
 # every width again: set [engine] max_running there.

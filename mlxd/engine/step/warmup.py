@@ -11,6 +11,8 @@ pass when warm-up covered only decode batches of powers of two and one prompt ch
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -31,7 +33,10 @@ from mlxd.engine.step.prompts import (
 )
 from mlxd.engine.step.row import Row, make_request_cache
 from mlxd.engine.step.target import verify
+from mlxd.log import get_logger
 from mlxd.runtime import progress
+
+log = get_logger("mlxd.engine")
 
 # Whole prompts processed together in one left-padded pass: these lengths (of the longest row), capped at a chunk.
 # On GPU backends groups are padded to multiples of GROUP_BUCKET (16) positions: these are the widths of groups of
@@ -58,14 +63,16 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
 
     - prompt chunks: a full ``prefill_chunk``, then a partial last chunk continuing it (attention over cached
       positions, and the first token sampled);
-    - decode batches at every width of ``W``, reached by rows joining one at a time (``add``: the lone row's cache
-      merged at 2, ``extend`` beyond, then padded to the bucket), with ``warmup_tokens`` steps at each width;
-    - rows leaving one at a time (``filter``, then ``extract`` back to a lone row), and a row's cache taken out of
-      the batch (``row_cache``), as the prefix cache does when a request ends;
+    - decode batches at every width of ``W``, reached by rows joining (``add``: the lone row's cache merged at 2,
+      ``extend`` beyond, then padded to the bucket; with buckets, the rows that take the batch to its next width
+      join as one group when they are several), with ``warmup_tokens`` steps at each width;
+    - rows leaving so that the batch passes through every width of ``W`` (``filter``, then ``extract`` back to a
+      lone row), and a row's cache taken out of the batch (``row_cache``), as the prefix cache does when a request
+      ends;
     - whole prompts processed together (:func:`process_prompts`), groups at every width of ``W`` above 1 and each
       length of :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch,
-      and, at the shortest length and below n, a batch of one row (``extend``), with two decode steps each, then
-      leaving;
+      and, at the shortest length and below n, a batch of one row (``extend``), with a decode step each (which
+      grows the batched cache), then leaving;
     - the rests of prompts that start from cached states, processed together (:func:`process_continuations`),
       groups at every width of ``W`` above 1, each with one decode step.
 
@@ -74,13 +81,16 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     prompt's own length and a last chunk's, samplers other than greedy (mlx-lm compiles them per temperature and
     filter value), logits processors, speculative steps (:func:`warm_up_verify`) and vision rows.
 
-    The cost, for ``m = len(W)``, ``L`` group lengths (4, fewer when ``prefill_chunk`` is below 64) and
-    ``T = warmup_tokens`` (:func:`count_passes`): ``n + 1 + L (m - 1) + 2m`` prompt passes, ``(L + 2)(m - 1) - 1``
-    of them groups, and ``T m + 2 (L (m - 1) + m - 2) + m - 1`` decode steps; about ``176 * sum(W)`` prompt tokens.
-    With buckets at n = 128: m = 19, 239 prompt passes (107 groups), ``19 T + 196`` decode steps, about 190,000
-    prompt tokens, where warming every width took ``9n - 11`` = 1,141 passes, ``n T + 16n - 24`` = 2,536 steps at
-    T = 4 and ``160 n^2`` = 2.6 million prompt tokens. Every width at n = 16 measured 21-24 s on an H100 (Qwen3-8B
-    shape, kernels compiled by an earlier process; 51-52 s in the first), 202 s at 64 on an H200.
+    The cost with buckets (:func:`count_passes` counts any case), for ``m = len(W)`` (at least 3), ``L`` group
+    lengths (4, fewer when ``prefill_chunk`` is below 64) and ``T = warmup_tokens``: ``L (m - 1) + 3m + 1`` prompt
+    passes, ``L (m - 1) + 3m - 5`` of them groups, and ``T m + (L + 2)(m - 1) - 1`` decode steps; about
+    ``176 * sum(W)`` prompt tokens. At n = 128: m = 19, 130 prompt passes (124 groups), ``19 T + 107`` decode
+    steps, about 190,000 prompt tokens, where warming every width took ``9n - 11`` = 1,141 passes,
+    ``n T + 16n - 24`` = 2,536 steps at T = 4 and ``160 n^2`` = 2.6 million prompt tokens. Every width at n = 16
+    measured 21-24 s on an H100 (Qwen3-8B shape, kernels compiled by an earlier process; 51-52 s in the first),
+    202 s at 64 on an H200; the buckets of 128 (with two decode steps after each group and rows joining one at a
+    time) 69.9 s on an H200 with an empty kernel cache, 51.1 s with kernels compiled. Each part's seconds are
+    logged (``warm_up_part``).
     """
     batch = DecodeBatch(model, buckets=buckets)
     if every_shape is None:
@@ -88,13 +98,18 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     widths = warmed_widths(config.max_running, buckets)
     stepped = widths if every_shape else _powers(widths)
     num_steps = len(stepped) + 2 if every_shape else len(stepped)  # joining, then leaving, groups, continuations
-    _join_one_by_one(model, config, batch, stepped, num_steps)
+    timed = _Timed()
+    _join_up_to(model, config, batch, stepped, num_steps)
+    timed.part("join")
     mx.clear_cache()
     if every_shape:
-        _leave_one_by_one(batch)
+        _leave_through(batch, widths)
+        timed.part("leave")
         _join_in_groups(model, config, batch, widths)
+        timed.part("groups")
         progress.step(len(widths) + 1, num_steps)
         _continue_in_groups(model, config, widths, buckets)
+        timed.part("continuations")
         progress.step(num_steps, num_steps)
     mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
     batch.clear()
@@ -114,21 +129,29 @@ def group_lengths(config: EngineConfig) -> list[int]:
 def count_passes(config: EngineConfig, buckets: Buckets | None) -> tuple[int, int, int]:
     """``(prompt passes, of them groups, decode steps)`` that :func:`warm_up_shapes` runs with every shape (the
     formula of its docstring), for models whose caches can be grouped and continued together."""
-    n, m, lengths = config.max_running, len(warmed_widths(config.max_running, buckets)), len(group_lengths(config))
-    groups = lengths * (m - 1) + max(0, m - 2) + (m - 1)
-    prompts = 2 + (n - 1) + 3 * (m > 1) + groups
-    steps = config.warmup_tokens * m + 2 * (lengths * (m - 1) + max(0, m - 2)) + (m - 1)
-    return prompts, groups, steps
+    widths, lengths = warmed_widths(config.max_running, buckets), len(group_lengths(config))
+    m = len(widths)
+    gaps = [b - a for a, b in itertools.pairwise(widths)]
+    joined_groups = sum(1 for gap in gaps if buckets is not None and gap > 1)
+    joined_alone = sum(gap for gap in gaps if buckets is None or gap == 1)
+    groups = lengths * (m - 1) + max(0, m - 2)
+    continued = m - 1
+    prompts = 2 + joined_alone + joined_groups + groups + (3 + continued if m > 1 else 0)
+    return prompts, joined_groups + groups + continued, config.warmup_tokens * m + groups + continued
 
 
 def _powers(widths: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(w for w in widths if w & (w - 1) == 0 or w == widths[-1])
 
 
-def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, stepped: tuple[int, ...],
-                     num_phase_steps: int) -> None:
-    """A chunked prompt starts the batch; rows then join one at a time up to ``max_running``, with decode steps at
-    the sizes in ``stepped``; each size stepped is a step of the start-up phase's ``num_phase_steps``."""
+def _join_up_to(model: Any, config: EngineConfig, batch: DecodeBatch, stepped: tuple[int, ...],
+                num_phase_steps: int) -> None:
+    """A chunked prompt starts the batch; rows then join up to ``max_running``, with decode steps at the sizes in
+    ``stepped`` (each a step of the start-up phase's ``num_phase_steps``). With buckets, the rows that take the
+    batch to its next size join as one group when they are several (a group pass of a width the groups below warm
+    too); otherwise, and for a single row, one at a time (``add``: merged at 2, ``extend`` beyond). On an H200 the
+    first step after a join cost as much more at a width met before as at a new one (the join's copy, not a kernel
+    build), so joining at every width warms nothing more."""
     num_steps = max(1, config.warmup_tokens)
     chunk = config.prefill_chunk
     row = _row(model, config, 0)
@@ -136,25 +159,30 @@ def _join_one_by_one(model: Any, config: EngineConfig, batch: DecodeBatch, stepp
     batch.add(row, process_prompt(model, row, _tokens(max(1, chunk // 4)), last=True, start=chunk))
     _steps(batch, num_steps)
     progress.step(1, num_phase_steps)
-    for i in range(1, config.max_running):
-        row = _row(model, config, i)
-        batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
-        if i + 1 in stepped:
-            _steps(batch, num_steps)
-            progress.step(stepped.index(i + 1) + 1, num_phase_steps)
+    for index, size in enumerate(stepped[1:], start=2):
+        rows = [_row(model, config, i) for i in range(len(batch), size)]
+        if batch.buckets is not None and len(rows) > 1 and can_batch_prompts(rows):
+            batch.add_batch(rows, *process_prompts(model, rows, [_SHORT_PROMPT] * len(rows), buckets=batch.buckets))
+        else:
+            for row in rows:
+                batch.add(row, process_prompt(model, row, _SHORT_PROMPT, last=True))
+        _steps(batch, num_steps)
+        progress.step(index, num_phase_steps)
 
 
-def _leave_one_by_one(batch: DecodeBatch) -> None:
-    while len(batch) > 1:
-        leaving = batch.request_ids[-1]
-        mx.eval([layer.state for layer in batch.row_cache(leaving)])
-        batch.remove({leaving})
+def _leave_through(batch: DecodeBatch, widths: tuple[int, ...]) -> None:
+    """Rows leave so that the batch passes through every width of ``widths`` below its own, widest first (each
+    time the last row's cache taken out first, as the prefix cache does when a request ends), down to one row
+    (``extract`` back to a lone cache)."""
+    for width in reversed([w for w in widths if w < len(batch)]):
+        mx.eval([layer.state for layer in batch.row_cache(batch.request_ids[-1])])
+        batch.remove(set(batch.request_ids[width:]))
         _evaluate(batch)
 
 
 def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch, widths: tuple[int, ...]) -> None:
     """Groups of whole prompts at every width of ``widths`` above 1 join an empty batch and (at the shortest length,
-    not for a full group) ``batch``, which holds one row; they decode two steps there and leave. The first decode
+    not for a full group) ``batch``, which holds one row; they decode one step there and leave. The first decode
     step after a group joins grows the batched cache, and MLX's CUDA backend builds that step's graphs once per
     batch size and width (they last while its graph cache holds them, which :mod:`mlxd.runtime.cuda` makes room
     for): on an H100 (Qwen3-8B shape) a group of 16 rows of 27 tokens joining an empty batch took 34-70 ms for that
@@ -171,7 +199,7 @@ def _join_in_groups(model: Any, config: EngineConfig, batch: DecodeBatch, widths
 
 
 def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: int, length: int) -> bool:
-    """A group of ``size`` prompts of about ``length`` tokens joins ``host``, decodes two steps there and leaves;
+    """A group of ``size`` prompts of about ``length`` tokens joins ``host``, decodes a step there and leaves;
     False when the model's caches cannot be grouped (then nothing ran)."""
     rows = [_row(model, config, f"group-{size}-{length}-{len(host)}-{i}") for i in range(size)]
     if not can_batch_prompts(rows):
@@ -179,7 +207,7 @@ def _join_and_leave(model: Any, config: EngineConfig, host: DecodeBatch, size: i
     prompts = [_tokens(max(1, length - i % 2)) for i in range(size)]
     cache, first = process_prompts(model, rows, prompts, buckets=host.buckets)
     host.add_batch(rows, cache, first)
-    _steps(host, 2)
+    _steps(host, 1)
     host.remove({row.request_id for row in rows})
     _evaluate(host)
     return True
@@ -211,6 +239,18 @@ def _continue_in_groups(model: Any, config: EngineConfig, widths: tuple[int, ...
         mx.eval(host.inputs)
         host.clear()
         mx.clear_cache()
+
+
+class _Timed:
+    """Logs how long each part of the warm-up took (``warm_up_part``), for whoever tunes it."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def part(self, name: str) -> None:
+        now = time.perf_counter()
+        log.info("warm_up_part", part=name, seconds=round(now - self.started, 2))
+        self.started = now
 
 
 def _row(model: Any, config: EngineConfig, tag: Any) -> Row:
