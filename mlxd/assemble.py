@@ -15,9 +15,19 @@ def load_everything(path: Path) -> tuple[DaemonConfig, Pipeline]:
     """Config + assembled pipeline, validated; nothing is loaded into memory yet. ``ConfigError`` names the file
     and field of a bad value."""
     # Imported here: `mlxd --help` and `mlxd service` stay light, and MLX is not imported before the device is chosen.
-    from mlxd.config import load_config, resolve_pipeline
-    from mlxd.pipeline.pipeline import build_pipeline
+    from mlxd.config import load_config
+    from mlxd.config.models import served_models
 
     config = load_config(path)
+    pipelines = [model_pipeline(served.config, path) for served in served_models(config)]  # each model's, checked
+    return config, pipelines[0]
+
+
+def model_pipeline(config: DaemonConfig, path: Path) -> Pipeline:
+    """The pipeline of one model's config view (``mlxd.config.models``), assembled; ``path`` is the config file it
+    was read from (a pipeline named by path is relative to its folder)."""
+    from mlxd.config import resolve_pipeline
+    from mlxd.pipeline.pipeline import build_pipeline
+
     source, tables = resolve_pipeline(config, path)
-    return config, build_pipeline(tables, source)
+    return build_pipeline(tables, source)

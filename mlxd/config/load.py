@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from mlxd.config.schema import DaemonConfig, PipelineSpec
+from mlxd.config.models import normalise, served_models
+from mlxd.config.schema import DaemonConfig, PipelineSpec, ServedModelConfig
 from mlxd.errors import ConfigError
 
 
@@ -52,20 +53,42 @@ def convert(data: Any, schema: type, source: str) -> Any:
         raise ConfigError(f"{source}: {describe_validation_error(e)}") from e
 
 
+def convert_models(tables: object, source: str) -> dict[str, ServedModelConfig]:
+    """The raw ``[models]`` tables as structs, one by one, so that an error names ``models.NAME.field``."""
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{source}: models: Expected a table of [models.NAME] tables, got {type(tables).__name__}")
+    models = {}
+    for key, table in tables.items():
+        try:
+            models[key] = msgspec.convert(table, ServedModelConfig, strict=True)
+        except msgspec.ValidationError as e:
+            where = describe_validation_error(e)
+            where = f".{where}" if not where.startswith(("Object", "Expected")) else f": {where}"
+            raise ConfigError(f"{source}: models.{key}{where}") from e
+    return models
+
+
 def load_config(path: str | Path) -> DaemonConfig:
     """Read and validate a daemon config file. Raises ``ConfigError`` naming the file and field."""
     path = Path(path)
-    config = convert(read_toml(path), DaemonConfig, str(path))
+    data = read_toml(path)
+    tables = data.pop("models", {})  # converted one by one, so that an error names models.NAME
+    config = convert(data, DaemonConfig, str(path))
+    if tables:
+        config = msgspec.structs.replace(config, models=convert_models(tables, str(path)))
+    config = normalise(config, str(path))
     check_distributed(config, str(path))
-    check_speculative(config, str(path))
+    for served in served_models(config):
+        check_speculative(served.config, str(path), "engine" if served.config.engine is config.engine
+                          else f"{served.table}.engine")
     return config
 
 
-def check_speculative(config: DaemonConfig, source: str) -> None:
-    """The ``[engine.speculative]`` fields bounded by one another."""
+def check_speculative(config: DaemonConfig, source: str, table: str = "engine") -> None:
+    """The ``[engine.speculative]`` fields bounded by one another (``table``: where that engine table is)."""
     settings = config.engine.speculative
     if settings.ngram_min > settings.ngram_max:
-        raise ConfigError(f"{source}: engine.speculative.ngram_min: {settings.ngram_min} is more than ngram_max = "
+        raise ConfigError(f"{source}: {table}.speculative.ngram_min: {settings.ngram_min} is more than ngram_max = "
                           f"{settings.ngram_max}")
 
 

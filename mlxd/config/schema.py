@@ -60,6 +60,9 @@ class ServerConfig(Base):
     max_preparing: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
     # Messages (Responses: input items) one request may carry; more is a 400 before any work on it.
     max_messages: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
+    # Several models ([models.NAME]): bytes of weights all loaded models may hold together; a model that does not
+    # fit unloads the least recently used idle, unpinned ones, else its request gets 503 with Retry-After. 0: no bound.
+    models_memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] = 0
 
 
 class SamplingDefaults(Base):
@@ -247,8 +250,28 @@ class PipelineSpec(Base):
     stages: list[dict[str, Any]]
 
 
+class ServedModelConfig(ModelConfig):
+    """One of several models (``[models.NAME]``): what ``[model]`` holds, plus its own engine and pipeline and when
+    it is loaded. NAME is the served name unless ``name`` says otherwise."""
+
+    # Replaces the top-level [engine] table for this model (whole, not field by field); absent: [engine].
+    engine: EngineConfig | None = None
+    # As the top-level `pipeline`; absent: the top-level one.
+    pipeline: str | PipelineSpec | None = None
+    # "at_start": before /health turns 200; "on_request": on its first request (which waits). "default": the first
+    # model at start, the others on request.
+    load: Literal["default", "at_start", "on_request"] = "default"
+    # Unloaded after this many seconds without requests (0: never).
+    idle_unload_s: Annotated[float, msgspec.Meta(ge=0, le=DAY_S)] = 0.0
+    # Never unloaded (neither when idle nor to make room for another model).
+    pin: bool = False
+
+
 class DaemonConfig(Base):
-    model: ModelConfig
+    # One model ([model]) or several ([models.NAME] tables), not both; mlxd.config.models reads either as a list.
+    # With [models.*] alone, `model` is the first of them once loaded (mlxd.config.load).
+    model: ModelConfig | None = None
+    models: dict[str, ServedModelConfig] = {}
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
     logging: LoggingConfig = LoggingConfig()

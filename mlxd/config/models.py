@@ -1,0 +1,80 @@
+"""The models a config serves, as one list: ``[model]`` alone is a one-model config, ``[models.NAME]`` tables are
+several. Everything that needs to know which models there are reads :func:`served_models`; nothing else looks at
+``[model]`` or ``[models]`` to count them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from mlxd.config.schema import DaemonConfig, ModelConfig, ServedModelConfig
+from mlxd.errors import ConfigError
+
+_MODEL_FIELDS = ModelConfig.__struct_fields__
+
+
+class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """One configured model: its served name, the daemon config as that model sees it (``model``, ``engine`` and
+    ``pipeline`` are its own; ``server``, ``vision``, ``logging`` are shared) and its loading policy."""
+
+    name: str
+    config: DaemonConfig
+    load: Literal["at_start", "on_request"]
+    idle_unload_s: float = 0.0
+    pin: bool = False
+    table: str = "model"  # where it is configured, for messages: "model" or "models.NAME"
+
+
+def served_models(config: DaemonConfig) -> list[ServedModel]:
+    """Every configured model, the first one first. ``[model]`` is one model loaded at start, never unloaded."""
+    if not config.models:
+        assert config.model is not None  # load_config refuses a config with neither
+        return [ServedModel(name=default_name(config.model), config=_view(config, config.model, {}),
+                            load="at_start", pin=True)]
+    return [_entry(config, key, table, first=i == 0) for i, (key, table) in enumerate(config.models.items())]
+
+
+def _entry(config: DaemonConfig, key: str, table: ServedModelConfig, *, first: bool) -> ServedModel:
+    model = ModelConfig(**{field: getattr(table, field) for field in _MODEL_FIELDS})
+    model = msgspec.structs.replace(model, name=table.name or key)
+    overrides = {"engine": table.engine} if table.engine is not None else {}
+    if table.pipeline is not None:
+        overrides["pipeline"] = table.pipeline
+    load = table.load if table.load != "default" else ("at_start" if first else "on_request")
+    return ServedModel(name=model.name, config=_view(config, model, overrides), load=load,
+                       idle_unload_s=table.idle_unload_s, pin=table.pin, table=f"models.{key}")
+
+
+def _view(config: DaemonConfig, model: ModelConfig, overrides: dict) -> DaemonConfig:
+    return msgspec.structs.replace(config, model=model, models={}, **overrides)
+
+
+def default_name(model: ModelConfig) -> str:
+    """The served name of a ``[model]``: ``name``, else the embedded model's name, else the source's stem."""
+    from pathlib import Path
+
+    from mlxd.models.default_model import embedded_name
+
+    return model.name or embedded_name(model.source) or Path(model.source).stem or "model"
+
+
+def normalise(config: DaemonConfig, source: str) -> DaemonConfig:
+    """Check ``[model]`` against ``[models.*]`` and give a ``[models.*]`` config its first model as ``model`` (what
+    single-model tools such as device selection read). ``ConfigError`` names ``source`` and the field."""
+    if config.model is not None and config.models:
+        raise ConfigError(f"{source}: model: give one [model] table or [models.NAME] tables, not both")
+    if config.model is None and not config.models:
+        raise ConfigError(f"{source}: Object missing required table `model`; give [model] (or [models.NAME] tables) "
+                          "with a source")
+    if not config.models:
+        return config
+    if config.distributed is not None and len(config.models) > 1:
+        raise ConfigError(f"{source}: models: a [distributed] job serves one model; {len(config.models)} are "
+                          "configured")
+    seen: dict[str, str] = {}
+    for served in served_models(config):
+        if served.name in seen:
+            raise ConfigError(f"{source}: {served.table}.name: {served.name!r} is also the name of {seen[served.name]}")
+        seen[served.name] = served.table
+    return msgspec.structs.replace(config, model=served_models(config)[0].config.model)

@@ -1,0 +1,89 @@
+"""Several models in one config: ``[models.NAME]`` tables read as one list with ``[model]`` (mlxd.config.models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxd.assemble import load_everything
+from mlxd.config.models import served_models
+from mlxd.errors import ConfigError
+
+TWO = """
+[engine]
+max_running = 4
+[models.chat]
+source = "a"
+aliases = ["gpt-*"]
+idle_unload_s = 30
+[models.chat.sampling]
+temperature = 0.5
+[models.small]
+source = "b"
+name = "fast"
+pin = true
+pipeline = "chat"
+[models.small.engine]
+max_running = 2
+prefill_chunk = 64
+[models.small.sampling]
+max_tokens = 7
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mlxd.toml"
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_everything(path)
+    return info.value.message
+
+
+def test_one_model_table_is_a_one_model_list(tmp_path):
+    config, _ = load_everything(write(tmp_path, '[model]\nsource = "x"\nname = "one"\n'))
+    [served] = served_models(config)
+    assert (served.name, served.load, served.pin, served.config.model.source) == ("one", "at_start", True, "x")
+    assert served.config.engine == config.engine
+
+
+def test_models_tables_each_with_their_engine_sampling_and_policy(tmp_path):
+    config, _ = load_everything(write(tmp_path, TWO))
+    chat, small = served_models(config)
+    assert (chat.name, chat.load, chat.idle_unload_s, chat.pin, chat.table) == ("chat", "at_start", 30, False,
+                                                                                 "models.chat")
+    assert chat.config.model.aliases == ["gpt-*"] and chat.config.model.sampling.temperature == 0.5
+    assert chat.config.engine.max_running == 4  # the top-level [engine]
+    assert (small.name, small.load, small.pin) == ("fast", "on_request", True)
+    assert (small.config.engine.max_running, small.config.engine.prefill_chunk) == (2, 64)
+    assert small.config.model.sampling.max_tokens == 7 and small.config.model.sampling.temperature is None
+    assert config.model == chat.config.model  # what single-model tools read: the first model
+    assert not small.config.models
+
+
+def test_load_policy_can_be_set(tmp_path):
+    text = '[models.a]\nsource = "a"\nload = "on_request"\n[models.b]\nsource = "b"\nload = "at_start"\n'
+    config, _ = load_everything(write(tmp_path, text))
+    assert [s.load for s in served_models(config)] == ["on_request", "at_start"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[models.a]\nsource = "a"\nlaod = "at_start"\n', "models.a"),
+    ('[models.a]\nsource = "a"\nload = "sometimes"\n', "models.a.load"),
+    ('[models.a]\nsource = "a"\nidle_unload_s = -1\n', "models.a.idle_unload_s"),
+    ('[models.a]\nsource = "a"\n[models.a.engine]\nmax_running = "x"\n', "models.a.engine.max_running"),
+    ('[models.a]\nsource = "a"\n[models.a.sampling]\ntop_p = 3\n', "models.a.sampling.top_p"),
+    ('[models.a]\nsource = "a"\n[models.a.engine.speculative]\nngram_min = 3\nngram_max = 2\n',
+     "models.a.engine.speculative.ngram_min"),
+    ('[models.a]\nsource = "a"\n[models.b]\nsource = "b"\nname = "a"\n', "models.b.name"),
+    ('[model]\nsource = "a"\n[models.b]\nsource = "b"\n', "not both"),
+    ('[models.a]\nsource = "a"\npipeline = "nonesuch"\n', "nonesuch"),
+])
+def test_errors_name_the_file_and_the_model_field(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert str(path) in message and expected in message, message
