@@ -203,6 +203,10 @@ class Daemon:
         from mlxd.engine.drafters.registry import make_drafter
         from mlxd.engine.factory import make_engine as default_make_engine
 
+        if self.config.model.kind == "embedding":  # pooled vectors at /v1/embeddings, no token generation
+            from mlxd.engine.embedding import make_embedding_engine
+
+            return make_embedding_engine(self.config.model, self.config.engine, loaded, self.name)
         if self.group is not None:
             from mlxd.engine.distributed.channel import Channel
             from mlxd.engine.distributed.leader import make_leader_engine

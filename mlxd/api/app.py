@@ -13,6 +13,7 @@ from mlxd import __version__
 from mlxd.api.anthropic import AnthropicController
 from mlxd.api.auth import load_keys, make_guard
 from mlxd.api.docs import make_docs_config
+from mlxd.api.embeddings import EmbeddingsController
 from mlxd.api.errors import EXCEPTION_HANDLERS
 from mlxd.api.metrics import Metrics
 from mlxd.api.openai import OpenAIController
@@ -52,6 +53,7 @@ def create_app(daemon: Daemon, *, load: bool = True) -> Litestar:
     return Litestar(
         route_handlers=[
             OpenAIController,
+            EmbeddingsController,
             AnthropicController,
             ResponsesController,
             OpsController,

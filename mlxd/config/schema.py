@@ -82,7 +82,9 @@ class SamplingDefaults(Base):
 class ModelConfig(Base):
     # A local MLX folder, a .gguf file, or "embedded:smollm2-135m".
     source: str
-    kind: Literal["auto", "text", "vision"] = "auto"
+    # "embedding": an mlx-lm text model served at POST /v1/embeddings only (its chat endpoints answer 400), its last
+    # hidden state pooled into one vector per input (mlxd/engine/embedding.py).
+    kind: Literal["auto", "text", "vision", "embedding"] = "auto"
     name: str = ""
     # Glob patterns (fnmatch): agents send their own model ids, e.g. "claude-*" or "gpt-4*".
     aliases: list[str] = []
@@ -105,6 +107,15 @@ class ModelConfig(Base):
     # start-up against the devices MLX reports (mlxd/runtime/device.py).
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|gpu)(:[0-9]+)?$")] = "auto"
     sampling: SamplingDefaults = SamplingDefaults()
+    # kind = "embedding": "last" pools the hidden state of each input's last token after the final norm (as
+    # Qwen3-Embedding does), "mean" averages it over the input's tokens; vectors are L2-normalized unless `normalize`
+    # is false. An input longer than context_length is a 400 naming it, or is cut to its first tokens with `truncate`.
+    # `dimensions_allowed`: requests may ask for fewer `dimensions` (Matryoshka-trained models: the first N
+    # features, renormalized); otherwise asking for dimensions is a 400.
+    pooling: Literal["last", "mean"] = "last"
+    normalize: bool = True
+    truncate: bool = False
+    dimensions_allowed: bool = False
 
 
 class SpeculativeConfig(Base):
