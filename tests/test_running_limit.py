@@ -18,6 +18,7 @@ from mlxd.engine.schedule.memory import (
     MAX_DERIVED_RUNNING,
     MAX_DERIVED_RUNNING_GPU,
     MAX_PASS_TOKENS,
+    PASS_ESTIMATE_FACTOR,
     PASS_PROBE_TOKENS,
     TYPICAL_CONTEXT_TOKENS,
     KVCost,
@@ -25,6 +26,7 @@ from mlxd.engine.schedule.memory import (
     derive_max_running,
     max_pass_tokens,
     measure_memory,
+    measure_pass_bytes,
 )
 from tests.test_batched_engine import collect_tokens
 
@@ -151,9 +153,13 @@ def test_a_burst_pass_may_hold_a_quarter_of_the_room_beside_the_weights(tiny_mod
     tiny model); a pass of whole prompts may take a quarter of the room over them, between the step token budget
     and MAX_PASS_TOKENS."""
     model, _ = load(str(tiny_model_dir))
-    measured = measure_memory(model)
     vocab = model(mx.zeros((1, 1), dtype=mx.uint32)).shape[-1]
-    assert vocab * 4 <= measured.pass_bytes_per_token < 64 * vocab * 4
+    probed = measure_pass_bytes(model, evaluate=True)
+    assert vocab * 4 <= probed < 64 * vocab * 4  # float32 logits, and the activations beside them
+    estimated = measure_pass_bytes(model, evaluate=False)
+    assert estimated == PASS_ESTIMATE_FACTOR * vocab * 4 and probed / 2 <= estimated <= 2 * probed
+    measured = measure_memory(model)
+    assert measured.pass_bytes_per_token == (estimated if mx.default_device() == mx.cpu else probed)
     h100 = MemoryBudget(limit_bytes=int(80 * GB * 0.9), weights_bytes=int(16.4 * GB), kv=QWEN3_8B_KV,
                         pass_bytes_per_token=700_000)
     assert max_pass_tokens(h100, 512) == MAX_PASS_TOKENS == 16384  # 64 prompts of 256 tokens in one pass

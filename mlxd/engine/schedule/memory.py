@@ -6,8 +6,9 @@ layer's ``max_size``), so any architecture is counted the same way: two fresh re
 two (attention KV) costs bytes per token; one that does not (a recurrent ``ArraysCache``) costs fixed bytes; a
 rotating layer grows until its window is full. Only graph shapes are read: nothing is evaluated there. What a prompt
 pass holds besides (activations, and logits for every position: 300 KB a token at a vocabulary of 152k in bf16) is
-measured once, by evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens and reading MLX's peak memory; it bounds how
-many prompt tokens one pass of a burst may take (:func:`max_pass_tokens`).
+measured once on GPU backends, by evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens and reading MLX's peak
+memory (estimated from the logits' shape on the CPU); it bounds how many prompt tokens one pass of a burst may take
+(:func:`max_pass_tokens`).
 
 What a request reserves is what its cache can grow to, prompt + ``max_tokens``, rounded up to the 256-token step in
 which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``), so
@@ -134,9 +135,20 @@ def measure_kv_cost(model: Any, max_kv_size: int = 0) -> KVCost:
 PASS_PROBE_TOKENS = 128
 
 
-def measure_pass_bytes(model: Any, max_kv_size: int = 0) -> int:
+# Where a probe pass would cost seconds (the CPU, an 8B model: about 2 TFLOP for 128 tokens), the bytes a pass holds
+# per token are estimated from its logits alone: this many times one position's logits (the tiny test models,
+# measured: 2.7).
+PASS_ESTIMATE_FACTOR = 3
+
+
+def measure_pass_bytes(model: Any, max_kv_size: int = 0, evaluate: bool | None = None) -> int:
     """Bytes per token one prompt pass holds at its peak (activations, every position's logits, the KV it writes),
-    from evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens into a fresh request cache."""
+    from evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens into a fresh request cache; or, where ``evaluate`` is
+    off (default: on the CPU), :data:`PASS_ESTIMATE_FACTOR` times one position's logits, read from the graph's
+    shape without evaluating it."""
+    if not (mx.default_device() != mx.cpu if evaluate is None else evaluate):
+        logits = model(mx.zeros((1, 1), dtype=mx.uint32), cache=make_request_cache(model, max_kv_size))
+        return PASS_ESTIMATE_FACTOR * logits.shape[-1] * logits.dtype.size
     mx.eval(model.parameters())
     before = mx.get_active_memory()
     mx.reset_peak_memory()
