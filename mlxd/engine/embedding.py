@@ -62,13 +62,14 @@ class EmbeddingEngine:
     """Pools a text model's last hidden state; the lifecycle surface (start, stop, status, failure) of an engine."""
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str, pooling: str, normalize: bool, truncate: bool,
-                 context_length: int, max_waiting: int, max_pass_tokens: int = MAX_PASS_TOKENS) -> None:
+                 context_length: int, max_waiting: int, gather_s: float = 0.0,
+                 max_pass_tokens: int = MAX_PASS_TOKENS) -> None:
         from mlxd.engine.pooling import check_embeddable
 
         check_embeddable(model)
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.pooling, self.normalize, self.truncate = pooling, normalize, truncate
-        self.context_length, self.max_waiting = context_length, max_waiting
+        self.context_length, self.max_waiting, self.gather_s = context_length, max_waiting, gather_s
         self.max_pass_tokens = max(max_pass_tokens, context_length)
         self.max_running = MAX_PASS_ROWS
         self.vocab_size = 0
@@ -186,10 +187,17 @@ class EmbeddingEngine:
         self.hidden_size = int(pooled_vectors(self.model, [[0], [0, 0]], self.pooling, self.normalize).shape[-1])
 
     def _take(self) -> list[_Pending] | None:
-        """Every waiting request (None once stopping)."""
+        """Every waiting request (None once stopping). The first to arrive waits until no other has arrived for
+        ``gather_s`` (at most ten times that), so that requests sent together share passes."""
         with self._wake:
             while not self._pending and not self._stopping:
                 self._wake.wait()
+            deadline = time.monotonic() + 10 * self.gather_s
+            while self.gather_s and not self._stopping and time.monotonic() < deadline:
+                num_pending = len(self._pending)
+                self._wake.wait(min(self.gather_s, max(0.0, deadline - time.monotonic())))
+                if len(self._pending) == num_pending:
+                    break
             if self._stopping:
                 return None
             batch, self._pending = list(self._pending), deque()
@@ -306,4 +314,5 @@ def make_embedding_engine(model_config: Any, engine_config: Any, loaded: Any, na
     :class:`mlxd.models.load.LoadedModel`)."""
     return EmbeddingEngine(loaded.model, loaded.tokenizer, name=name, pooling=model_config.pooling,
                            normalize=model_config.normalize, truncate=model_config.truncate,
-                           context_length=loaded.context_length, max_waiting=engine_config.max_waiting)
+                           context_length=loaded.context_length, max_waiting=engine_config.max_waiting,
+                           gather_s=engine_config.gather_ms / 1000)

@@ -1,0 +1,172 @@
+"""``kind = "embedding"`` and ``POST /v1/embeddings``: vectors against a direct computation with the model's own
+layers, batch independence, base64 against floats, dimensions, and the 400s that name the field or the model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.helpers import app_client, write_config
+
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "a", "What is the capital of France?",
+         "Rain fell softly on the roof while the kettle sang in the kitchen and the cat slept."]
+ATOL = 1e-5
+
+
+def _load(model_dir: Path):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    model.set_dtype(mx.float32)  # as mlxd serves on the Linux CPU (dtype "auto")
+    return model, tokenizer
+
+
+def _direct(model, ids: list[int], pooling: str) -> np.ndarray:
+    """The oracle: the body's layers one by one on a single unpadded input (causal mask), the final norm, pooled,
+    L2-normalized."""
+    body = model.model
+    hidden = body.embed_tokens(mx.array([ids]))
+    for layer in body.layers:
+        hidden = layer(hidden, "causal" if len(ids) > 1 else None, None)
+    hidden = body.norm(hidden)[0].astype(mx.float32)
+    vector = np.array(hidden[-1] if pooling == "last" else hidden.mean(axis=0))
+    return vector / np.linalg.norm(vector)
+
+
+def _vectors(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [item["index"] for item in data] == list(range(len(data)))
+    return np.array([item["embedding"] for item in data], dtype=np.float32)
+
+
+@pytest.fixture(scope="module", params=["last", "mean"])
+def served(request, tiny_qwen3_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"embed-{request.param}")
+    extra = f'kind = "embedding"\npooling = "{request.param}"\ncontext_length = 24\ndimensions_allowed = true'
+    with app_client(write_config(tmp, tiny_qwen3_dir, model_extra=extra)) as (client, daemon):
+        yield client, daemon, request.param
+
+
+def test_vectors_match_a_direct_computation_with_the_models_layers(served, tiny_qwen3_dir):
+    client, _, pooling = served
+    model, tokenizer = _load(tiny_qwen3_dir)
+    got = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS}))
+    expected = np.stack([_direct(model, tokenizer.encode(text), pooling) for text in TEXTS])
+    assert got.shape == (len(TEXTS), model.args.hidden_size)
+    np.testing.assert_allclose(got, expected, atol=ATOL)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=ATOL)
+    # The same inputs as token ids give the same vectors; usage counts their tokens.
+    ids = [tokenizer.encode(text) for text in TEXTS]
+    response = client.post("/v1/embeddings", json={"model": "gpt-4o", "input": ids})
+    np.testing.assert_array_equal(_vectors(response), got)
+    body = response.json()
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    assert body["model"] == "tiny" and body["object"] == "list"
+
+
+def test_equal_inputs_give_equal_vectors_in_any_batch(served):
+    client, _, _ = served
+    batch = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS}))
+    for index, text in enumerate(TEXTS):
+        solo = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": text}))
+        np.testing.assert_allclose(solo[0], batch[index], atol=ATOL)
+    repeated = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": [TEXTS[1]] * 3 + [TEXTS[4]]}))
+    np.testing.assert_allclose(repeated[:3], np.stack([batch[1]] * 3), atol=ATOL)
+
+
+def test_base64_is_the_little_endian_float32_of_the_float_list(served):
+    client, _, _ = served
+    floats = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[:2]}))
+    response = client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[:2], "encoding_format": "base64"})
+    decoded = np.stack([np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+                        for item in response.json()["data"]])
+    np.testing.assert_array_equal(decoded, floats)
+
+
+def test_dimensions_are_the_first_features_renormalized(served):
+    client, _, _ = served
+    full = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[1]}))[0]
+    short = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[1], "dimensions": 16}))[0]
+    np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=ATOL)
+    too_many = client.post("/v1/embeddings", json={"model": "tiny", "input": "x", "dimensions": 65})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": ["a", 3]}, "input[1]"),
+    ({"input": [[1, 2], "a"]}, "input[1]"),
+    ({"input": [[1, 2], [3, -1]]}, "input[1]"),
+    ({"input": [[1, 2], [3, 1000]]}, "input[1]"),  # the tiny vocabulary is 1,000 ids
+    ({"input": [[1], [2] * 25]}, "input[1]"),  # context_length = 24
+    ({"input": ["a", "b", "word " * 40]}, "input[2]"),
+    ({"input": [1, 2], "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "a", "dimensions": 0}, "dimensions"),
+    ({"input": "a", "extra": 1}, "extra"),
+])
+def test_bad_input_is_a_400_naming_the_field(served, body, param):
+    client, _, _ = served
+    response = client.post("/v1/embeddings", json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_chat_requests_to_an_embedding_model_are_400s_naming_it(served):
+    client, daemon, _ = served
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "'tiny' is an embedding model" in chat.json()["error"]["message"]
+    completion = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "model"
+    assert client.get("/health").status_code == 200 and daemon.engine.failure is None
+
+
+def test_truncate_cuts_over_long_inputs_to_the_context(tiny_qwen3_dir, tmp_path):
+    extra = 'kind = "embedding"\ncontext_length = 8\ntruncate = true'
+    ids = list(range(1, 21))
+    with app_client(write_config(tmp_path, tiny_qwen3_dir, model_extra=extra)) as (client, _):
+        long = client.post("/v1/embeddings", json={"model": "tiny", "input": [ids]})
+        cut = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": [ids[:8]]}))
+        np.testing.assert_array_equal(_vectors(long), cut)
+        assert long.json()["usage"]["prompt_tokens"] == 8
+        dims = client.post("/v1/embeddings", json={"model": "tiny", "input": "a", "dimensions": 8})
+        assert dims.status_code == 400 and dims.json()["error"]["param"] == "dimensions"
+
+
+def test_embeddings_requests_to_a_chat_model_are_400s_naming_it(tiny_model_dir, tmp_path):
+    with app_client(write_config(tmp_path, tiny_model_dir)) as (client, _):
+        response = client.post("/v1/embeddings", json={"model": "tiny", "input": "hello"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "'tiny' is a chat model" in error["message"]
+
+
+def test_concurrent_requests_share_one_pass_and_equal_their_solo_vectors(tiny_qwen3_dir):
+    from mlxd.engine.embedding import EmbeddingEngine, EmbeddingRequest
+
+    model, tokenizer = _load(tiny_qwen3_dir)
+    engine = EmbeddingEngine(model, tokenizer, name="tiny", pooling="last", normalize=True, truncate=False,
+                             context_length=64, max_waiting=16, gather_s=0.05)
+    engine.start()
+    try:
+        async def embed_all(groups: list[list[str]]) -> list[np.ndarray]:
+            requests = [EmbeddingRequest(request_id=str(i), texts=texts) for i, texts in enumerate(groups)]
+            return [answer.vectors for answer in await asyncio.gather(*map(engine.embed, requests))]
+
+        groups = [[TEXTS[i]] for i in range(5)] + [TEXTS[:3]]
+        together = asyncio.run(embed_all(groups))
+        assert engine.totals["num_passes"] == 1, engine.totals  # the six requests in one pass
+        for group, vectors in zip(groups, together, strict=True):
+            for text, vector in zip(group, vectors, strict=True):
+                solo = asyncio.run(embed_all([[text]]))[0][0]
+                np.testing.assert_allclose(vector, solo, atol=ATOL)
+                np.testing.assert_allclose(vector, _direct(model, tokenizer.encode(text), "last"), atol=ATOL)
+    finally:
+        engine.stop()
