@@ -141,6 +141,28 @@ def test_fuzz_every_endpoint_from_the_served_schema(tiny_model_dir, tmp_path):
         assert after.json()["choices"] == before.json()["choices"], tally.summary()
 
 
+def test_fuzz_embeddings_on_an_embedding_model(tiny_qwen3_dir, tmp_path):
+    # POST /v1/embeddings served by a kind = "embedding" model (the test above reaches it only with a chat model).
+    config = write_config(tmp_path, tiny_qwen3_dir, model_extra='kind = "embedding"\ncontext_length = 64')
+    with app_client(config) as (client, _):
+        before = client.post("/v1/embeddings", json={"model": "tiny", "input": ["hello", "world"]})
+        assert before.status_code == 200, before.text
+        schema = schemathesis.openapi.from_dict(client.get("/docs/openapi.json").json())
+        operation = next(result.ok() for result in schema.get_all_operations()
+                         if result.ok().label == "POST /v1/embeddings")
+        tally = Tally()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            _fuzz(client, operation, mode, tally)
+        print(f"\nfuzz embeddings: {tally.summary()}; per operation {tally.by_operation}")
+        assert not tally.server_errors, tally.summary() + "\n" + "\n".join(tally.server_errors[:10])
+        assert not tally.bad_error_bodies, tally.summary() + "\n" + "\n".join(tally.bad_error_bodies[:10])
+        assert tally.by_status.get(200, 0) > 0, tally.summary()  # the fuzzer got past the checks, not only 400s
+        for mode in GenerationMode:
+            assert tally.by_operation.get(f"POST /v1/embeddings ({mode})", 0) == EXAMPLES, tally.by_operation
+        after = client.post("/v1/embeddings", json={"model": "tiny", "input": ["hello", "world"]})
+        assert after.json()["data"] == before.json()["data"], tally.summary()
+
+
 # ---- oversized fields other than the user's text, on every surface ----
 
 def _oversized_bodies(text: str) -> dict[str, tuple[str, dict[str, Any]]]:
