@@ -78,6 +78,3 @@ class Done(msgspec.Struct, frozen=True, kw_only=True):
     # Where the time to first token went in the engine (:class:`mlxd.engine.base.Finished`).
     queued_s: float | None = None
     prefill_s: float | None = None
-
-
-OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta | TokenLogprobs | KeepAlive | Done

@@ -35,11 +35,6 @@ def tool_mode(chat_template: Any) -> str:
     return "list" if "tool_calls" in text else "hermes"
 
 
-def template_renders_tools(chat_template: Any) -> bool:
-    """Whether a chat template renders a ``tools`` list itself."""
-    return tool_mode(chat_template) == "native"
-
-
 def tool_list_in_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation with the tool list added to its system message (a new one when it has none)."""
     return _with_system(list(messages), _LISTING.format(tools="\n".join(json.dumps(t, ensure_ascii=False)

@@ -53,9 +53,7 @@ class Text(NamedTuple):
 
 
 class Close(NamedTuple):
-    """The message ends: at an end marker or a new header (``terminated``), or at the end of the stream."""
-
-    terminated: bool
+    """The message ends: at an end marker or a new header, or at the end of the stream."""
 
 
 def parse_header(text: str) -> Header:
@@ -98,7 +96,7 @@ class HarmonyScanner:
             self._in_body = True
         if self._in_body:
             self._text(self._buffer)
-            self._items.append(Close(terminated=False))
+            self._items.append(Close())
         self._buffer, self._in_body = "", False
         items, self._items = self._items, []
         return items
@@ -142,10 +140,10 @@ class HarmonyScanner:
             return False
         self._buffer = buffer[at + len(marker) :]
         if marker in _CLOSERS:
-            self._items.append(Close(terminated=True))
+            self._items.append(Close())
             self._in_body, self._at_boundary = False, True
         elif marker in _HEADER_STARTS:  # a new message without an end marker before it
-            self._items.append(Close(terminated=True))
+            self._items.append(Close())
             self._in_body, self._buffer = False, buffer[at:]
         # a stray <|message|> or <|constrain|> in a body is dropped
         return True
