@@ -7,6 +7,10 @@ the name the README uses.
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 
 from mlxd.models.default_model import locate_default_gguf
 from tests.helpers import free_port, serve_subprocess
+from tests.test_readme_examples import readme_block
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -48,3 +53,21 @@ def test_the_readme_question_is_answered_right_every_time(server):
     wrong = [(c["finish_reason"], c["message"]["content"][:80]) for c in choices
              if "Paris" not in c["message"]["content"] or c["finish_reason"] != "stop"]
     assert not wrong, f"{len(wrong)} of {NUM_SAMPLES} answers do not name Paris and stop: {wrong}"
+
+
+def test_the_readme_s_curl_and_sdk_blocks_run_against_the_server(server):
+    """The README's first two blocks after start-up, with its address swapped for this server's: the curl request
+    (sent as its arguments say) is answered with Paris, the streaming OpenAI SDK script prints a reply."""
+    curl = shlex.split(readme_block("sh", "curl -s http://127.0.0.1:8080/v1/chat/completions").replace("\\\n", " "))
+    assert curl[:2] == ["curl", "-s"] and curl[3] == "-H" and curl[5] == "-d"
+    header, value = curl[4].split(": ", 1)
+    response = httpx.post(curl[2].replace("http://127.0.0.1:8080", server), content=curl[6], headers={header: value},
+                          timeout=300)
+    assert response.status_code == 200, response.text
+    assert json.loads(curl[6])["messages"] == QUESTION
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    script = readme_block("python", "Write a haiku about rivers.")
+    assert script.count("http://127.0.0.1:8080") == 1
+    run = subprocess.run([sys.executable, "-c", script.replace("http://127.0.0.1:8080", server)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr[-2000:]
