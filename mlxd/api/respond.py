@@ -71,8 +71,10 @@ class Trace:
     engine_end: Finished | Failed | None = None
     # Whether the engine took the request on (its stream opened): its log line then waits for ``engine_end``.
     in_engine: bool = False
-    _logged_at: float | None = None
-    _on_engine_end: Callable[[], None] | None = None
+    # When the client's response ended (the line may be written later), and what wakes a line waiting for the
+    # engine's account.
+    _logged_at: float | None = field(default=None, init=False)
+    _on_engine_end: Callable[[], None] | None = field(default=None, init=False)
 
     def engine_ended(self, event: Finished | Failed) -> None:
         """The engine's last event for this request (on the event loop), read by its stream or not."""
