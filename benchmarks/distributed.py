@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="append a markdown section here (else print it)")
+    parser.add_argument("--mlxd-only", action="store_true", help="leave mlx_lm.server out (mlxd's two servers only)")
     args = parser.parse_args()
     with_openblas()
 
@@ -129,7 +130,7 @@ def main() -> None:
     best: dict[tuple[str, int], Result] = {}
     used = 0
     for _ in range(args.rounds):
-        for label, command, health in specs(args, tmp, max(levels)):
+        for label, command, health in specs(args, tmp, max(levels))[: 2 if args.mlxd_only else None]:
             with serve(command, port_of(command), tmp / f"{label.replace(' ', '_')}.log", health):
                 for level in levels:
                     batch = prompts[used % len(prompts):][:level]
@@ -155,10 +156,11 @@ def ratios(best: dict[tuple[str, int], Result], ranks: int, levels: list[int]) -
     lines = []
     for level in levels:
         one, group = best[("mlxd, 1 process", level)], best[(f"mlxd, tensor-parallel {ranks}", level)]
-        theirs = best[(f"mlx_lm.server, mlx.launch -n {ranks}", level)]
+        theirs = best.get((f"mlx_lm.server, mlx.launch -n {ranks}", level))
         lines.append(f"- {level} stream(s): mlxd tensor-parallel {ranks} / mlxd one process: "
-                     f"{group.tokens_per_s / one.tokens_per_s:.2f}x; / mlx_lm.server under mlx.launch: "
-                     f"{group.tokens_per_s / theirs.tokens_per_s:.2f}x")
+                     f"{group.tokens_per_s / one.tokens_per_s:.2f}x"
+                     + (f"; / mlx_lm.server under mlx.launch: {group.tokens_per_s / theirs.tokens_per_s:.2f}x"
+                        if theirs is not None else ""))
     return "\n".join(lines)
 
 

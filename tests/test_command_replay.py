@@ -14,7 +14,6 @@ from mlxd.config.schema import DistributedConfig, EngineConfig
 from mlxd.engine.base import EngineRequest, Finished, Progress, Token
 from mlxd.engine.commands import Accept, Cancel, Drop, Stop
 from mlxd.engine.core import EngineCore
-from mlxd.engine.distributed.channel import STATS
 from mlxd.engine.distributed.leader import make_leader_engine
 from mlxd.engine.schedule.memory import measure_memory
 from mlxd.engine.step.sampling import make_request_sampler
@@ -30,10 +29,23 @@ class RecordingChannel:
         self.messages: list[Any] = []
         self.views: list[dict[str, Any]] = []
 
-    def exchange(self, message: Any, stats: list[int]) -> tuple[Any, list[dict[str, int]]]:
+    lost = None
+
+    def connect(self, timeout_s: float) -> None:
+        pass
+
+    def send(self, message: Any) -> None:
         self.messages.append(message)
         self.views.append(view(self.engine.core))
-        return message, [dict(zip(STATS, stats, strict=True))]
+
+    def wait_reported(self, timeout_s: float) -> None:
+        pass
+
+    def peer_stats(self) -> list[dict[str, int] | None]:
+        return []
+
+    def close(self) -> None:
+        pass
 
     def share_tokens(self, tokens: Any) -> Any:
         return tokens

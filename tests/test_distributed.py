@@ -178,12 +178,25 @@ class StuckChannel:
         self.stuck = threading.Event()
         self.released = threading.Event()
 
-    def exchange(self, message, stats):
+    lost = None
+
+    def connect(self, timeout_s):
+        pass
+
+    def send(self, message):
         if self.stuck.is_set():
             if self.broken:
                 raise RuntimeError("[ring] Send failed: connection reset by peer")
             self.released.wait()
-        return None, [dict(pid=1), dict(pid=2)]
+
+    def wait_reported(self, timeout_s):
+        pass
+
+    def peer_stats(self):
+        return [dict(pid=2)]
+
+    def close(self):
+        pass
 
     def share_tokens(self, tokens):
         return tokens

@@ -1,8 +1,11 @@
-"""The transport of a tensor-parallel group: rank 0's messages and the sampled tokens, over MLX collectives.
+"""The transport of a tensor-parallel group: rank 0's messages on a control connection, the sampled tokens on
+the device.
 
-No transport of our own: a message is an ``all_gather`` of a small header (its size, and every rank's counters for
-``/v1/status``) and, when it has a body, an ``all_sum`` of its msgpack bytes (the other ranks add zeros). A decode
-step with nothing changed is the header alone. What the messages mean: :mod:`mlxd.engine.distributed.leader`.
+Rank 0's messages travel over TCP (:mod:`.control`), read by the host as soon as they arrive: not over a
+collective, which would queue behind the step running on the device and keep rank 0 from planning step n+1 while
+step n runs. The other ranks' counters (for ``/v1/status``) come back on the same connections, now and then, not
+with every step. The one collective a decode step adds to the model's own is :meth:`Channel.share_tokens`, part of
+the step's graph. What the messages mean: :mod:`mlxd.engine.distributed.leader`.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
-import numpy as np
 
 from mlxd.config.schema import DistributedConfig
-from mlxd.engine.commands import Command, RunStep
-from mlxd.errors import ModelLoadError
+from mlxd.engine.commands import Command, RunStep, Stop
+from mlxd.engine.distributed.control import ControlClient, ControlServer
+from mlxd.errors import DistributedFault, ModelLoadError
 
 
 class Message(msgspec.Struct, array_like=True):
@@ -28,8 +31,9 @@ class Message(msgspec.Struct, array_like=True):
 
 
 _encoder, _decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
-# The most common message, a decode step with nothing changed, travels as its header alone (size -1).
+# The most common message, a decode step with nothing changed: no digest (nothing changed), encoded once.
 DECODE_ONLY = Message([], RunStep([], []), ())
+_DECODE_ONLY_FRAME = _encoder.encode(DECODE_ONLY)
 
 
 # ---- the group ----
@@ -47,37 +51,75 @@ def init_group(config: DistributedConfig) -> Any:
     return group
 
 
-# Per-rank numbers that travel in every message's header (KiB where bytes: int32 everywhere).
+# Per-rank numbers for /v1/status (KiB where bytes).
 STATS = ("pid", "active_kib", "peak_kib", "cache_kib", "prefix_entries", "prefix_kib", "prefix_hits")
 
 
 class Channel:
-    """Rank 0's messages to the group, and the group's sampled tokens, over MLX collectives."""
+    """Rank 0's messages to the group (a control connection per rank, :meth:`connect` first), the other ranks'
+    counters back, and the group's sampled tokens, shared on the device."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        self._server: ControlServer | None = None
+        self._client: ControlClient | None = None
 
-    def exchange(self, message: Message | None, stats: list[int]) -> tuple[Message | None, list[dict[str, int]]]:
-        """Rank 0 sends ``message`` (the others pass None and get it); every rank's ``stats`` come back to all."""
-        bodiless = message is None or message is DECODE_ONLY
-        payload = _encoder.encode(message) if self.rank == 0 and not bodiless else b""
-        size = -1 if self.rank == 0 and message is DECODE_ONLY else len(payload)
-        header = mx.array([[size, *stats]], dtype=mx.int32)
-        gathered = mx.distributed.all_gather(header, group=self.group).tolist()
-        size = gathered[0][0]
-        peers = [dict(zip(STATS, row[1:], strict=True)) for row in gathered]
-        if size <= 0:
-            return (DECODE_ONLY if size < 0 else None), peers
-        words = -(-size // 4)
+    def connect(self, timeout_s: float) -> None:
+        """Set up the control connections: every rank calls it at the same point (it runs one collective)."""
+        if self.size == 1:
+            return
         if self.rank == 0:
-            mine = np.frombuffer(payload.ljust(4 * words, b"\0"), dtype=np.int32)
-            data = mx.distributed.all_sum(mx.array(mine), group=self.group)
+            self._server = ControlServer(self.group, timeout_s)
         else:
-            data = mx.distributed.all_sum(mx.zeros((words,), dtype=mx.int32), group=self.group)
-        received = np.array(data).tobytes()[:size]
-        return (message if self.rank == 0 else _decoder.decode(received)), peers
+            self._client = ControlClient(self.group, timeout_s)
+
+    # ---- rank 0 ----
+
+    @property
+    def lost(self) -> str | None:
+        """Rank 0: why another rank's connection ended while the job ran (None: none did)."""
+        return self._server.lost if self._server is not None else None
+
+    def send(self, message: Message) -> None:
+        """Rank 0: ``message`` to every other rank, without waiting for the device or for them."""
+        if self._server is None:
+            return
+        if any(isinstance(command, Stop) for command in message.commands):
+            self._server.expect_close()
+        self._server.send(_DECODE_ONLY_FRAME if message is DECODE_ONLY else _encoder.encode(message))
+
+    def wait_reported(self, timeout_s: float) -> None:
+        """Rank 0: until every other rank has reported its counters once (it is warm and listening)."""
+        if self._server is not None:
+            self._server.wait_reported(timeout_s)
+
+    def peer_stats(self) -> list[dict[str, int] | None]:
+        """Rank 0: each other rank's last reported counters (None: not heard yet), in rank order from rank 1."""
+        if self._server is None:
+            return []
+        return [dict(zip(STATS, s, strict=True)) if s is not None else None for s in self._server.stats[1:]]
+
+    # ---- the other ranks ----
+
+    def receive(self) -> Message:
+        """A rank other than 0: rank 0's next message (blocks on the host until it comes)."""
+        if self._client is None:
+            raise DistributedFault(f"rank {self.rank}: the control connection is not set up")
+        return _decoder.decode(self._client.receive())
+
+    def report(self, stats: list[int]) -> None:
+        """A rank other than 0: send rank 0 this rank's counters (:data:`STATS`)."""
+        if self._client is not None:
+            self._client.report(stats)
+
+    def close(self) -> None:
+        for end in (self._server, self._client):
+            if end is not None:
+                end.close()
+
+    # ---- on the device ----
 
     def share_tokens(self, tokens: mx.array) -> mx.array:
         """Rank 0's sampled tokens on every rank, lazily, as part of the step's graph. The others' own samples are
@@ -86,5 +128,3 @@ class Channel:
         if self.rank != 0:
             mine = mine * 0
         return mx.distributed.all_sum(mine, group=self.group).astype(tokens.dtype)
-
-
