@@ -5,14 +5,30 @@ the one the package ships, and the plugin and Codex snippets say what the exampl
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
 from pathlib import Path
 
+from mlxd.cli import main
 from mlxd.config import load_config
 from mlxd.launch import launch_command
 from tests.test_readme_examples import readme_block
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def fenced_blocks() -> list[tuple[str, str]]:
+    """README.md's fenced blocks, in order, as (language, text); a fence opens a block or closes the open one."""
+    blocks, language, lines = [], None, []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```") and language is None:
+            language, lines = line[3:].strip(), []
+        elif line.startswith("```"):
+            blocks.append((language, "\n".join(lines) + "\n"))
+            language = None
+        elif language is not None:
+            lines.append(line)
+    return blocks
 
 
 def my_toml(tmp_path: Path, *extra: str) -> Path:
@@ -43,6 +59,28 @@ def test_the_distributed_table_launches_one_rank_per_host(tmp_path):
     assert command[command.index("--backend") + 1] == "ring"
     assert command[command.index("--hosts") + 1] == "192.168.1.10,192.168.1.11"
     assert command[command.index("--") + 1:][-2:] == ["--config", str(path.resolve())]
+
+
+def test_check_config_prints_what_the_readme_shows(tmp_path, tiny_model_dir, capsys):
+    """The README's `mlxd check-config my.toml --port 9000` session, run on its my.toml (its model folder swapped
+    for a tiny one): each line it shows comes out, in that order; ``…`` stands for what it leaves out, and the
+    shown ``…/site-packages/`` for wherever the package is installed."""
+    (shown,) = [block for language, block in fenced_blocks() if "$ mlxd check-config my.toml --port" in block]
+    shown = shown.splitlines()
+    command = shown[0].split()
+    assert command[:3] == ["$", "mlxd", "check-config"]
+    path = my_toml(tmp_path)
+    path.write_text(path.read_text().replace("~/models/Qwen3-4B-4bit", str(tiny_model_dir)))
+    assert main(["check-config", str(path), *command[4:]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    patterns = [re.escape(line).replace("…/site\\-packages/", "…/").replace("…", ".*")
+                for line in shown[1:] if line.strip() != "…"]
+    patterns = [p.replace(re.escape("~/models/Qwen3-4B-4bit"), re.escape(str(tiny_model_dir))) for p in patterns]
+    position = 0
+    for pattern in patterns:
+        matched = [i for i, line in enumerate(out[position:], position) if re.fullmatch(".*" + pattern, line)]
+        assert matched, f"check-config printed no line like {pattern!r} after line {position}:\n" + "\n".join(out)
+        position = matched[0] + 1
 
 
 def test_the_printed_chat_pipeline_is_the_shipped_one():
