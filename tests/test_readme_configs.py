@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -81,6 +83,31 @@ def test_check_config_prints_what_the_readme_shows(tmp_path, tiny_model_dir, cap
         matched = [i for i, line in enumerate(out[position:], position) if re.fullmatch(".*" + pattern, line)]
         assert matched, f"check-config printed no line like {pattern!r} after line {position}:\n" + "\n".join(out)
         position = matched[0] + 1
+
+
+# What the README's bad.toml and old.toml hold (it shows only their errors): a chat pipeline beside them, with one
+# stage option changed.
+_BROKEN = {"bad.toml": ('merge_consecutive = "auto"', 'merge_consecutive = "sometimes"'),
+           "old.toml": ('type = "prefill"', 'type = "prefill"\nchunk_size = 512')}
+
+
+def test_check_config_names_file_stage_and_field_as_the_readme_shows(tmp_path):
+    (shown,) = [block for _, block in fenced_blocks() if "$ mlxd check-config bad.toml" in block]
+    lines = shown.splitlines()
+    assert [line.split()[-1] for line in lines[::2]] == list(_BROKEN) and len(lines) == 2 * len(_BROKEN)
+    builtin = (ROOT / "mlxd" / "pipelines" / "chat.toml").read_text()
+    for (command, expected), (old, new) in zip(zip(lines[::2], lines[1::2], strict=True), _BROKEN.values(),
+                                               strict=True):
+        folder = tmp_path / command.split()[-1].removesuffix(".toml")
+        (folder / "pipelines").mkdir(parents=True)
+        assert builtin.count(old) == 1
+        (folder / "pipelines" / "chat.toml").write_text(builtin.replace(old, new))
+        (folder / command.split()[-1]).write_text('pipeline = "chat"\n[model]\nsource = "embedded:smollm2-135m"\n')
+        run = subprocess.run([sys.executable, "-m", "mlxd", *command.split()[2:]], cwd=folder, capture_output=True,
+                             text=True, timeout=120, check=False)
+        assert run.returncode != 0
+        # The README writes the pipeline's path as the user would read it: relative to the config's folder.
+        assert run.stderr.strip().replace(f"{folder}/", "") == expected, run.stderr
 
 
 def test_the_printed_chat_pipeline_is_the_shipped_one():
