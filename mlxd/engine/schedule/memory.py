@@ -168,11 +168,17 @@ PASS_SHARE = 0.25
 MAX_PASS_TOKENS = 16384
 
 
-def max_pass_tokens(budget: MemoryBudget, step_token_budget: int) -> int:
+def max_pass_tokens(budget: MemoryBudget, step_token_budget: int, wide: bool | None = None) -> int:
     """The prompt tokens one pass of whole prompts may hold: :data:`PASS_SHARE` of the room beside the weights over
     the measured bytes per token, in ``[step_token_budget, MAX_PASS_TOKENS]``. On an H100 beside a bf16 8B model
-    (55 GB of room; 0.3 MB a token of logits alone) that is 16,384: a burst of 64 prompts of 256 tokens in one pass."""
-    if not budget.pass_bytes_per_token:
+    (55 GB of room; 0.3 MB a token of logits alone) that is 16,384: a burst of 64 prompts of 256 tokens in one pass.
+
+    Only where wide passes pay (``wide``, default: GPU backends, where a pass of 16k tokens costs little more than
+    one of 512 per token and far less in all than 32 of them). On the CPU a pass costs its tokens' compute whatever
+    its width, so one wide pass only holds back the first tokens of the prompts that a narrow one would have
+    finished first: with the tiny benchmark model at 64 streams, time to first token p50 rose from 0.7 to 2.7 s.
+    There the step token budget stands."""
+    if not (mx.default_device() != mx.cpu if wide is None else wide) or not budget.pass_bytes_per_token:
         return step_token_budget
     tokens = int(budget.kv_budget_bytes * PASS_SHARE) // budget.pass_bytes_per_token
     return max(step_token_budget, min(MAX_PASS_TOKENS, tokens))
