@@ -19,6 +19,9 @@ PRESETS = {
     # Small enough for CPU runs that measure per-token overheads (with a 49k vocabulary, say).
     "small": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=64),
+    # The tests' tiny shape (tests/support/tiny.py), for measuring what costs besides the model.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128),
 }
