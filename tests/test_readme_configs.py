@@ -1,19 +1,24 @@
-"""The README's TOML blocks, read as written: the example config (with the speculative and distributed tables the
-README adds to it) is a valid mlxd config holding the values the README says, the built-in pipeline it prints is
-the one the package ships, and the plugin and Codex snippets say what the examples next to them use."""
+"""The README's config blocks and the command output it shows, run: the example config (with the speculative and
+distributed tables the README adds to it) is a valid mlxd config holding the values the README says, check-config
+prints what the README's sessions show, the built-in pipeline it prints is the one the package ships, the plugin
+and Codex snippets say what the examples next to them use, and the request log line names real fields."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import httpx
+
 from mlxd.cli import main
 from mlxd.config import load_config
 from mlxd.launch import launch_command
+from tests.helpers import free_port, serve_subprocess, write_config
 from tests.test_readme_examples import readme_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,3 +134,20 @@ def test_the_codex_provider_points_at_the_default_server_s_responses_api():
     provider = codex["model_providers"][codex["model_provider"]]
     assert provider["base_url"] == f"http://{default.server.host}:{default.server.port}/v1"
     assert provider["wire_api"] == "responses"
+
+
+def test_the_readme_s_request_log_line_has_the_fields_a_served_request_logs(tmp_path, tiny_model_dir):
+    """The README's example request line: each field it shows is one a real request line of the same kind carries
+    (a chat request's, through the JSON log format), so the example cannot go stale."""
+    (shown,) = [json.loads(block) for language, block in fenced_blocks()
+                if language == "json" and '"event": "request"' in block]
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, extra="[engine]\nmax_running = 2\n")
+    with serve_subprocess(config, port, timeout=180) as (base, _):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+    logged = [json.loads(line) for line in (tmp_path / f"server-{port}.log").read_text().splitlines()
+              if line.startswith("{")]
+    (line,) = [entry for entry in logged if entry.get("event") == "request"]
+    assert (line["endpoint"], line["outcome"]) == (shown["endpoint"], shown["outcome"])
+    assert set(shown) <= set(line), f"fields the README shows that a request line lacks: {set(shown) - set(line)}"
