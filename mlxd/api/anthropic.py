@@ -95,12 +95,12 @@ class AnthropicController(Controller):
     ) -> Message | EventStream:
         """A message, streamed (named SSE events) or not, in Anthropic's format: thinking, text and tool_use
         blocks. A ``max_tokens`` beyond what the context leaves is clamped, not refused."""
-        daemon.require_ready()
-        model = daemon.resolve_model(data.model)
-        jobs.check_vocabulary(data, daemon.model_info)
-        check_size(data, **daemon.size_limits())
-        job = jobs.messages_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon, job, "messages", metrics.observe, receive=request.receive)
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        model = served.name
+        jobs.check_vocabulary(data, served.model_info)
+        check_size(data, **served.size_limits())
+        job = jobs.messages_job(data, model, served.config.model.sampling)
+        events, trace = await respond.start(served, job, "messages", metrics.observe, receive=request.receive)
         clamped = job.max_tokens_clamped_from is not None
         if not data.stream:
             outputs = await respond.collect(events, trace, request.receive)
@@ -114,11 +114,11 @@ class AnthropicController(Controller):
         """The number of tokens of the prompt a request with these messages, system prompt, tools and thinking
         setting would run (the stages before ``prefill``: normalize, template, route); nothing is generated, and a
         prompt longer than the context is counted, not refused, unless its text alone proves it cannot fit (400)."""
-        daemon.require_ready()
-        model = daemon.resolve_model(data.model)
-        check_size(data, **daemon.size_limits())
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        model = served.name
+        check_size(data, **served.size_limits())
         job = jobs.prompt_job(data, model)
         structlog.contextvars.bind_contextvars(request_id=job.request_id)
-        await respond.prepare(daemon, job, request.receive, until=PREFILL_STAGE)
+        await respond.prepare(served, job, request.receive, until=PREFILL_STAGE)
         log.info("count_tokens", request_id=job.request_id, model=model, prompt_tokens=len(job.prompt_ids))
         return CountTokensResponse(input_tokens=len(job.prompt_ids))

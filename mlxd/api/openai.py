@@ -36,12 +36,12 @@ class OpenAIController(Controller):
     ) -> ChatCompletion | EventStream:
         """Chat completion, streaming (SSE) or not, in the OpenAI format: content, reasoning_content, tool calls,
         logprobs, ``n`` choices."""
-        daemon.require_ready()
-        model = daemon.resolve_model(data.model)
-        jobs.check_vocabulary(data, daemon.model_info)
-        check_size(data, **daemon.size_limits())
-        job = jobs.chat_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
-        events, trace = await respond.start(daemon, job, "chat", metrics.observe, n=data.n, receive=request.receive)
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        model = served.name
+        jobs.check_vocabulary(data, served.model_info)
+        check_size(data, **served.size_limits())
+        job = jobs.chat_job(data, model, served.config.model.sampling, served.config.engine.max_n)
+        events, trace = await respond.start(served, job, "chat", metrics.observe, n=data.n, receive=request.receive)
         created, logprobs = int(time.time()), job.num_logprobs is not None
         if not data.stream:
             outputs = await respond.collect(events, trace, request.receive)
@@ -56,12 +56,12 @@ class OpenAIController(Controller):
         metrics: NamedDependency[Metrics],
     ) -> Completion | EventStream:
         """Text completion of a raw prompt (no chat template): logprobs, ``n`` choices, ``echo``."""
-        daemon.require_ready()
-        model = daemon.resolve_model(data.model)
-        jobs.check_vocabulary(data, daemon.model_info)
-        check_size(data, **daemon.size_limits())
-        job = jobs.completion_job(data, model, daemon.config.model.sampling, daemon.config.engine.max_n)
-        events, trace = await respond.start(daemon, job, "completions", metrics.observe, n=data.n,
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        model = served.name
+        jobs.check_vocabulary(data, served.model_info)
+        check_size(data, **served.size_limits())
+        job = jobs.completion_job(data, model, served.config.model.sampling, served.config.engine.max_n)
+        events, trace = await respond.start(served, job, "completions", metrics.observe, n=data.n,
                                             receive=request.receive)
         created = int(time.time())
         echo = job.prompt_text if data.echo else ""
@@ -75,12 +75,11 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def list_models(self, daemon: NamedDependency[Daemon]) -> ModelList:
-        """The served model (aliases are patterns, so they are not listed as models)."""
-        return ModelList([ModelCard(name, daemon.created) for name in daemon.served_names()])
+        """Every configured model with its state (aliases are patterns, so they are not listed as models)."""
+        return ModelList([ModelCard(slot.name, daemon.created, state=slot.state) for slot in daemon.models.slots])
 
     @get("/models/{model_id:path}")
     async def get_model(self, model_id: FromPath[str], daemon: NamedDependency[Daemon]) -> ModelCard:
         """One model by id: the served name, or any id matching an alias pattern (404 otherwise)."""
         model_id = model_id.lstrip("/")
-        daemon.resolve_model(model_id)
-        return ModelCard(model_id, daemon.created)
+        return ModelCard(model_id, daemon.created, state=daemon.models.resolve(model_id).state)

@@ -38,11 +38,11 @@ class ResponsesController(Controller):
     ) -> ResponseObject | EventStream:
         """A model response to ``input``: a response object, or (``stream``) its named SSE events ending with
         ``response.completed``, ``response.incomplete`` or ``response.failed``."""
-        daemon.require_ready()
-        model = daemon.resolve_model(data.model)
-        check_size(data, **daemon.size_limits())
-        job, settings = responses_job(data, model, daemon.config.model.sampling)
-        events, trace = await respond.start(daemon, job, "responses", metrics.observe, receive=request.receive)
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        model = served.name
+        check_size(data, **served.size_limits())
+        job, settings = responses_job(data, model, served.config.model.sampling)
+        events, trace = await respond.start(served, job, "responses", metrics.observe, receive=request.receive)
         renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
         if data.stream:
             return EventStream(respond.stream_sse(events, trace, renderer))

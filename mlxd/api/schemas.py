@@ -293,6 +293,8 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "mlxd"
     object: str = "model"
+    # mlxd's own: the model's "unloaded", "loading", "ready" or "failed" (mlxd/registry.py).
+    state: str = "ready"
 
 
 class ModelList(msgspec.Struct):

@@ -1,0 +1,165 @@
+"""Several models in one daemon ([models.NAME]): each answers as it does alone, loads on its first request, unloads
+when idle (its memory given back) or to make room under a memory budget, and streams beside the other."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import app_client, sse_events, streamed_text, write_config
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def second_model_dir(tiny_models_root: Path) -> Path:
+    """A tiny llama like ``tiny_model_dir`` but from another seed: other weights, other outputs."""
+    from tests.support.tiny import tiny_model_cached
+
+    return tiny_model_cached(tiny_models_root, "llama", seed=1)
+
+
+def two_models(tmp: Path, a: Path, b: Path, *, b_extra: str = "", a_extra: str = "", server_extra: str = "") -> Path:
+    sampling = "temperature = 0.0\nmax_tokens = 12\n"
+    text = f"""[server]
+keepalive_s = 0.5
+{server_extra}
+[engine]
+max_running = 4
+[models.a]
+source = "{a}"
+{a_extra}
+[models.a.sampling]
+{sampling}
+[models.b]
+source = "{b}"
+aliases = ["gpt-*"]
+{b_extra}
+[models.b.sampling]
+{sampling}
+[logging]
+format = "json"
+"""
+    path = tmp / "two.toml"
+    path.write_text(text)
+    return path
+
+
+def complete(client, model: str) -> tuple[int, dict]:
+    response = client.post("/v1/completions", json={"model": model, "prompt": PROMPT})
+    return response.status_code, response.json()
+
+
+def solo_text(tmp: Path, model_dir: Path) -> str:
+    """The completion a one-model daemon gives (greedy, the same max_tokens)."""
+    folder = tmp / model_dir.name
+    folder.mkdir()
+    with app_client(write_config(folder, model_dir, model_extra="", extra="[engine]\nmax_running = 4\n")) as (c, _):
+        response = c.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+
+def states(client) -> dict[str, str]:
+    return {card["id"]: card["state"] for card in client.get("/v1/models").json()["data"]}
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory, tiny_model_dir, second_model_dir) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("solo")
+    return {"a": solo_text(tmp, tiny_model_dir), "b": solo_text(tmp, second_model_dir)}
+
+
+def test_each_model_answers_as_it_does_alone_and_the_second_loads_on_request(tmp_path, tiny_model_dir,
+                                                                             second_model_dir, solo):
+    assert solo["a"] != solo["b"]  # the two models differ, so a request that reached the wrong one would show
+    with app_client(two_models(tmp_path, tiny_model_dir, second_model_dir)) as (client, daemon):
+        assert states(client) == {"a": "ready", "b": "unloaded"}
+        status, body = complete(client, "a")
+        assert status == 200 and body["choices"][0]["text"] == solo["a"] and body["model"] == "a"
+        assert states(client)["b"] == "unloaded"
+        status, body = complete(client, "gpt-4o")  # b's alias: b loads on its first request
+        assert status == 200, body
+        assert body["choices"][0]["text"] == solo["b"] and body["model"] == "b"
+        assert states(client) == {"a": "ready", "b": "ready"}
+        status, body = complete(client, "a")
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+        missing = client.post("/v1/completions", json={"model": "c", "prompt": PROMPT})
+        assert missing.status_code == 404 and "'a', 'b'" in missing.json()["error"]["message"]
+        assert [slot.num_loads for slot in daemon.models.slots] == [1, 1]
+
+
+def test_an_idle_model_is_unloaded_and_its_memory_given_back(tmp_path, tiny_model_dir, second_model_dir, solo):
+    import mlx.core as mx
+
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, b_extra="idle_unload_s = 1")
+    with app_client(config) as (client, daemon):
+        status, body = complete(client, "b")
+        assert status == 200 and body["choices"][0]["text"] == solo["b"]
+        slot = daemon.models.resolve("b")
+        weights = slot.weight_bytes
+        assert weights > 100_000
+        loaded = mx.get_active_memory()
+        deadline = time.monotonic() + 15
+        while states(client)["b"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert states(client) == {"a": "ready", "b": "unloaded"}
+        time.sleep(0.2)  # the engine thread is joined and the memory freed after the state turns
+        unloaded = mx.get_active_memory()
+        assert loaded - unloaded >= 0.9 * weights, (loaded, unloaded, weights)
+        status, body = complete(client, "b")  # and it comes back on request
+        assert status == 200 and body["choices"][0]["text"] == solo["b"]
+        assert (slot.num_loads, slot.num_unloads) == (2, 1)
+
+
+def test_a_budget_for_one_model_swaps_them_and_every_request_succeeds(tmp_path, tiny_model_dir, second_model_dir,
+                                                                     solo):
+    one = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir,
+                        server_extra=f"models_memory_bytes = {int(one * 1.5)}")
+    with app_client(config) as (client, daemon):
+        for name in ["b", "a", "b", "a"]:
+            status, body = complete(client, name)
+            assert status == 200, body
+            assert body["choices"][0]["text"] == solo[name]
+            other = "a" if name == "b" else "b"
+            assert states(client) == {name: "ready", other: "unloaded"}
+        assert [slot.num_loads for slot in daemon.models.slots] == [3, 2]
+
+
+def test_a_model_that_cannot_fit_gets_503_with_retry_after(tmp_path, tiny_model_dir, second_model_dir):
+    one = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
+                        server_extra=f"models_memory_bytes = {int(one * 1.5)}")
+    with app_client(config) as (client, _):
+        response = client.post("/v1/chat/completions",
+                               json={"model": "b", "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 503 and float(response.headers["retry-after"]) > 0
+        error = response.json()["error"]
+        assert "models_memory_bytes" in error["message"] and "'a'" in error["message"]
+        assert states(client) == {"a": "ready", "b": "unloaded"}  # the pinned model stays
+
+
+def test_two_models_streaming_at_once_each_equal_its_solo_run(tmp_path, tiny_model_dir, second_model_dir, solo):
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, b_extra='load = "at_start"')
+    with app_client(config) as (client, daemon):
+        turn = daemon.models.first.hooks.turn
+        holders: list[str] = []
+        turn.on_turn = holders.append
+        texts: dict[str, list[str]] = {"a": [], "b": []}
+
+        def stream(name: str) -> None:
+            for _ in range(3):
+                response = client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "stream": True})
+                texts[name].append(streamed_text(sse_events(response.text)))
+
+        threads = [threading.Thread(target=stream, args=(name,)) for name in ("a", "b")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert texts == {"a": [solo["a"]] * 3, "b": [solo["b"]] * 3}
+        assert set(holders) == {"a", "b"}  # both engines stepped, each step under the device's turn
