@@ -151,3 +151,27 @@ def test_the_readme_s_request_log_line_has_the_fields_a_served_request_logs(tmp_
     (line,) = [entry for entry in logged if entry.get("event") == "request"]
     assert (line["endpoint"], line["outcome"]) == (shown["endpoint"], shown["outcome"])
     assert set(shown) <= set(line), f"fields the README shows that a request line lacks: {set(shown) - set(line)}"
+
+
+def test_every_place_the_readme_s_file_map_names_exists():
+    """The layout section's map of the package: each folder or file it lists is there, and each ``name.py`` its
+    descriptions mention is in the folder they describe."""
+    (listing,) = [block for language, block in fenced_blocks() if block.startswith("mlxd/api ")]
+    entries: list[tuple[Path, str]] = []
+    top = ROOT
+    for line in listing.splitlines():
+        if not line.startswith(" "):
+            name, _, text = line.partition(" ")
+            top = ROOT / name.rstrip("/")
+            entries.append((top, text))
+        elif re.match(r"^  \w+/ ", line):
+            name, _, text = line.strip().partition(" ")
+            entries.append((top / name.rstrip("/"), text))
+        else:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    assert len(entries) > 15
+    for place, text in entries:
+        assert place.exists(), f"the README's layout names {place.relative_to(ROOT)}, which is not there"
+        for module in re.findall(r"\b(\w+\.py)\b", text):
+            folder = place if place.is_dir() else place.parent
+            assert any(folder.rglob(module)), f"the README's layout puts {module} in {folder.relative_to(ROOT)}"
