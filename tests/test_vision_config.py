@@ -4,6 +4,8 @@ Qwen3-VL fixture; everything else as shipped)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 from mlxd.cli import main
 from tests.helpers import ROOT, app_client
@@ -59,3 +61,16 @@ def test_the_openai_sdk_sends_images_as_the_readme_shows(tiny_vlm, tmp_path):
                                                 stream=True)
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert streamed == reply.choices[0].message.content
+        # The README's script itself, run where its chart.png is, with this server's address and model name.
+        from PIL import Image
+
+        from tests.test_readme_examples import readme_block
+
+        Image.new("RGB", (96, 64), (200, 40, 40)).save(tmp_path / "chart.png")
+        script = readme_block("python", 'open("chart.png", "rb")')
+        assert script.count("http://127.0.0.1:8080") == 1 and script.count('model="qwen3-vl-4b"') == 1
+        script = script.replace("http://127.0.0.1:8080", base).replace('model="qwen3-vl-4b"', 'model="tiny"')
+        run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300, check=False)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert int(run.stdout.split()[-1]) >= text_only.usage.prompt_tokens + 16  # it printed the image's tokens
