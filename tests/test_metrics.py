@@ -85,8 +85,12 @@ def test_counts_match_what_was_sent(tiny_model_dir, tmp_path):
 
 
 def test_each_app_has_its_own_registry():
+    class NoModels:
+        def describe(self) -> list:
+            return []
+
     class NoEngine:
-        engine, state = None, "loading"
+        engine, state, models = None, "loading", NoModels()
 
     first, second = Metrics(NoEngine()), Metrics(NoEngine())
     trace = Trace(Job("r1", "tiny"), "chat", started=0.0, first_token=0.5)

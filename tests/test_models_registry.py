@@ -90,6 +90,25 @@ def test_each_model_answers_as_it_does_alone_and_the_second_loads_on_request(tmp
         missing = client.post("/v1/completions", json={"model": "c", "prompt": PROMPT})
         assert missing.status_code == 404 and "'a', 'b'" in missing.json()["error"]["message"]
         assert [slot.num_loads for slot in daemon.models.slots] == [1, 1]
+        models = {m["name"]: m for m in client.get("/v1/status").json()["models"]}
+        assert [(models[n]["state"], models[n]["num_requests"]) for n in "ab"] == [("ready", 2), ("ready", 1)]
+        assert models["b"]["weight_bytes"] == daemon.models.resolve("b").weight_bytes > 100_000
+        metrics = client.get("/metrics").text
+        assert 'mlxd_model_state{model="b",state="ready"} 1.0' in metrics
+        assert 'mlxd_model_requests_total{model="a"} 2.0' in metrics
+        assert f'mlxd_model_memory_bytes{{kind="weights",model="b"}} {float(models["b"]["weight_bytes"])}' in metrics
+
+
+def test_the_request_log_line_names_its_model(tmp_path, tiny_model_dir, second_model_dir):
+    from structlog.testing import capture_logs
+
+    with app_client(two_models(tmp_path, tiny_model_dir, second_model_dir)) as (client, _), capture_logs() as logs:
+        assert complete(client, "gpt-4")[0] == 200  # b, by its alias
+        deadline = time.monotonic() + 5
+        while not [e for e in logs if e["event"] == "request"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [e["model"] for e in logs if e["event"] == "request"] == ["b"]
+        assert [e["model"] for e in logs if e["event"] == "model_loaded"] == ["b"]
 
 
 def test_an_idle_model_is_unloaded_and_its_memory_given_back(tmp_path, tiny_model_dir, second_model_dir, solo):

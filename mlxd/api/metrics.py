@@ -43,6 +43,7 @@ class Metrics:
                                      "sent for a request (one token each, unless the detokenizer held text back).",
                                      buckets=INTER_TOKEN_BUCKETS, registry=registry)
         registry.register(EngineCollector(daemon))
+        registry.register(ModelsCollector(daemon))
 
     def observe(self, trace: Trace) -> None:
         """Count one request from its trace (called as its log line is written)."""
@@ -86,6 +87,38 @@ class EngineCollector(Collector):
             if key.endswith("_bytes") and isinstance(value, int | float):
                 memory.add_metric([key.removesuffix("_bytes")], value)
         yield memory
+
+
+class ModelsCollector(Collector):
+    """Each configured model's state, memory, requests, loads and unloads (``mlxd.registry``), read at scrape time."""
+
+    STATES = ("unloaded", "loading", "ready", "failed")
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        models = self.daemon.models.describe()
+        state = GaugeMetricFamily("mlxd_model_state", "1 for each model's state (unloaded, loading, ready, failed).",
+                                  labels=["model", "state"])
+        memory = GaugeMetricFamily("mlxd_model_memory_bytes", "Each loaded model's memory: weights, and active (the "
+                                   "MLX active memory its load added).", labels=["model", "kind"])
+        counters = {key: CounterMetricFamily(f"mlxd_model_{key}", f"Each model's {key} since start.", labels=["model"])
+                    for key in ("requests", "loads", "unloads")}
+        active = GaugeMetricFamily("mlxd_model_active", "Each model's requests in its engine.", labels=["model"])
+        for model in models:
+            name = model["name"]
+            for each in self.STATES:
+                state.add_metric([name, each], 1 if model["state"] == each else 0)
+            memory.add_metric([name, "weights"], model["weight_bytes"] if model["state"] == "ready" else 0)
+            memory.add_metric([name, "active"], model["active_bytes"])
+            for key, family in counters.items():
+                family.add_metric([name], model[f"num_{key}"])
+            active.add_metric([name], model["num_active"])
+        yield from (state, memory, active, *counters.values())
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -53,14 +53,15 @@ class OpsController(Controller):
     @get("/v1/status")
     async def status(self, request: Request, daemon: NamedDependency[Daemon],
                      viewers: NamedDependency[PromptViewers]) -> dict[str, Any]:
-        """Running and waiting requests (phase, tokens, tok/s, TTFT), limits, engine totals and memory. With keys
+        """Running and waiting requests (phase, tokens, tok/s, TTFT), limits, engine totals and memory (of the first
+        model), and ``models``: each configured model's state, memory and requests. With keys
         configured, the per-request lists (``running``, ``waiting``) need an admin key; the counts do not. Rendered
         prompts only for an admin key with ``[server] status_shows_prompts`` on."""
         daemon.require_loaded()
         prompts = viewers.may_see(request)
         status = daemon.engine.status(prompts=True) if prompts else daemon.engine.status()
         body = {"model": daemon.name, "num_running": len(status["running"]), "num_waiting": len(status["waiting"]),
-                **status, "gc": PAUSES.status()}
+                **status, "gc": PAUSES.status(), "models": daemon.models.describe()}
         if not is_admin(request):
             del body["running"], body["waiting"]
         elif not prompts:  # whatever the engine put there
