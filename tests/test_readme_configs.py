@@ -175,3 +175,16 @@ def test_every_place_the_readme_s_file_map_names_exists():
         for module in re.findall(r"\b(\w+\.py)\b", text):
             folder = place if place.is_dir() else place.parent
             assert any(folder.rglob(module)), f"the README's layout puts {module} in {folder.relative_to(ROOT)}"
+
+
+def test_the_run_command_installs_what_ci_installs_and_serves_the_config_the_answers_test_serves():
+    """The README's run command is CI's test command (which .ci/run runs verbatim) with the test extra left out
+    and the default config served in place of pytest; tests/test_default_answers.py serves that config."""
+    readme = (ROOT / "README.md").read_text()
+    run, test = (readme.split(f"<!-- {name} -->\n```sh\n", 1)[1].split("\n```", 1)[0]
+                 for name in ("run-command", "test-command"))
+    *run_steps, serve = run.split(" && ")
+    *test_steps, pytest_step = test.split(" && ")
+    assert [step.replace("-e '.[test]'", "-e .") for step in test_steps] == run_steps
+    assert (pytest_step, serve) == ("python -m pytest", "mlxd --config configs/default.toml")
+    assert '"configs/default.toml"' in (ROOT / "tests" / "test_default_answers.py").read_text()
