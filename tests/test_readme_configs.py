@@ -188,3 +188,20 @@ def test_the_run_command_installs_what_ci_installs_and_serves_the_config_the_ans
     assert [step.replace("-e '.[test]'", "-e .") for step in test_steps] == run_steps
     assert (pytest_step, serve) == ("python -m pytest", "mlxd --config configs/default.toml")
     assert '"configs/default.toml"' in (ROOT / "tests" / "test_default_answers.py").read_text()
+
+
+def test_mlxd_serves_the_readme_s_my_toml_on_the_port_given(tmp_path, tiny_model_dir):
+    """`mlxd --config my.toml --port 9000` (the README's second line after check-config; a free port here, the
+    model folder swapped for a tiny one): the model answers to its name and to the aliases agents send."""
+    (session,) = [block for language, block in fenced_blocks() if "mlxd check-config my.toml     #" in block]
+    serve = [line.split("#")[0].split() for line in session.splitlines() if line.startswith("mlxd --config")]
+    assert serve == [["mlxd", "--config", "my.toml", "--port", "9000"]]
+    path = my_toml(tmp_path)
+    path.write_text(path.read_text().replace("~/models/Qwen3-4B-4bit", str(tiny_model_dir)))
+    port = free_port()
+    with serve_subprocess(path, port, timeout=180) as (base, _):
+        assert [m["id"] for m in httpx.get(base + "/v1/models", timeout=30).json()["data"]] == ["qwen3-4b"]
+        for model in ("qwen3-4b", "gpt-4o", "claude-sonnet-4"):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+            response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
