@@ -182,3 +182,29 @@ def test_two_models_streaming_at_once_each_equal_its_solo_run(tmp_path, tiny_mod
             thread.join(120)
         assert texts == {"a": [solo["a"]] * 3, "b": [solo["b"]] * 3}
         assert set(holders) == {"a", "b"}  # both engines stepped, each step under the device's turn
+
+
+def test_a_model_that_fails_to_load_gets_503_and_the_others_keep_serving(tmp_path, tiny_model_dir, solo):
+    missing = tmp_path / "no-such-model"
+    with app_client(two_models(tmp_path, tiny_model_dir, missing)) as (client, daemon):
+        for _ in range(2):  # each request tries again
+            response = client.post("/v1/completions", json={"model": "b", "prompt": PROMPT})
+            assert response.status_code == 503 and "retry-after" in response.headers
+            assert "'b' could not be loaded" in response.json()["error"]["message"]
+        assert states(client) == {"a": "ready", "b": "failed"}
+        assert daemon.ready and client.get("/health").status_code == 200
+        status, body = complete(client, "a")
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+
+
+def test_requests_that_arrive_together_for_an_unloaded_model_share_one_load(tmp_path, tiny_model_dir,
+                                                                            second_model_dir, solo):
+    with app_client(two_models(tmp_path, tiny_model_dir, second_model_dir)) as (client, daemon):
+        results: list[tuple[int, dict]] = []
+        threads = [threading.Thread(target=lambda: results.append(complete(client, "b"))) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [(status, body["choices"][0]["text"]) for status, body in results] == [(200, solo["b"])] * 3
+        assert daemon.models.resolve("b").num_loads == 1
