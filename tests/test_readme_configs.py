@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -205,3 +207,26 @@ def test_mlxd_serves_the_readme_s_my_toml_on_the_port_given(tmp_path, tiny_model
             body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
             response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
             assert response.status_code == 200, response.text
+
+
+def test_the_readme_s_api_key_recipe_locks_the_server_and_its_request_gets_in(tmp_path, tiny_model_dir):
+    """The README's key recipe with HOME in a temporary folder: the key file it appends a 48-hex-digit key to is
+    the `[server] api_keys_file` it names; a server with that setting refuses a request without the key and lets
+    the README's curl request (its arguments sent as written, the key read as `head -1` reads it) in."""
+    make, request = readme_block("sh", "openssl rand -hex 24 >> ~/.config/mlxd/api.keys").splitlines()
+    command, _, setting = make.partition("  # ")
+    assert command.split(" && ") == ["mkdir -p ~/.config/mlxd", "openssl rand -hex 24 >> ~/.config/mlxd/api.keys"]
+    assert setting == '[server] api_keys_file = "~/.config/mlxd/api.keys"'
+    keys = tmp_path / ".config" / "mlxd" / "api.keys"
+    keys.parent.mkdir(parents=True)
+    keys.write_text(secrets.token_hex(24) + "\n")  # what `openssl rand -hex 24 >>` appends
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, server_extra=setting.removeprefix("[server] "))
+    curl = shlex.split(request.replace("$(head -1 ~/.config/mlxd/api.keys)", keys.read_text().splitlines()[0]))
+    assert curl[:3] == ["curl", "-s", "http://127.0.0.1:8080/v1/models"] and curl[3] == "-H"
+    header, value = curl[4].split(": ", 1)
+    with serve_subprocess(config, port, env={"HOME": str(tmp_path)}, timeout=180) as (base, _):
+        url = curl[2].replace("http://127.0.0.1:8080", base)
+        assert httpx.get(url, timeout=30).status_code == 401
+        response = httpx.get(url, headers={header: value}, timeout=30)
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "tiny", response.text
