@@ -6,6 +6,7 @@ and Codex snippets say what the examples next to them use, and the request log l
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import secrets
@@ -230,3 +231,16 @@ def test_the_readme_s_api_key_recipe_locks_the_server_and_its_request_gets_in(tm
         assert httpx.get(url, timeout=30).status_code == 401
         response = httpx.get(url, headers={header: value}, timeout=30)
         assert response.status_code == 200 and response.json()["data"][0]["id"] == "tiny", response.text
+
+
+def test_the_claude_code_lines_point_at_the_agents_config_s_server_and_model():
+    """The README's Claude Code session: the config it serves has the context length its comment says, and the
+    environment it gives `claude` reaches that server and a model id that resolves to the served model (the
+    `claude` command itself is Anthropic's)."""
+    serve, *client = readme_block("sh", "mlxd --config configs/agents.toml").splitlines()
+    assert serve.split("#")[0].split() == ["mlxd", "--config", "configs/agents.toml"]
+    config = load_config(ROOT / "configs" / "agents.toml")
+    assert f"context_length = {config.model.context_length}" in serve
+    env = dict(word.split("=", 1) for word in shlex.split(" ".join(client).replace("\\", " ")) if "=" in word)
+    assert env["ANTHROPIC_BASE_URL"] == f"http://{config.server.host}:{config.server.port}"
+    assert any(fnmatch.fnmatchcase(env["ANTHROPIC_MODEL"], alias) for alias in config.model.aliases)

@@ -16,6 +16,7 @@ from mlxd.service import (
     install_commands,
     log_hint,
     parser,
+    render,
     stop_command,
     uninstall_commands,
 )
@@ -42,3 +43,20 @@ def test_the_readme_shows_the_commands_service_install_prints(platform, marker, 
     printed = [command.replace(str(tmp_path), "~") for command in printed]
     missing = [command for command in printed if command not in shown]
     assert not missing, f"mlxd service install tells the user to run {missing}; the README shows {shown}"
+
+
+def test_the_readme_s_logrotate_snippet_rotates_the_log_a_system_unit_writes(tmp_path, monkeypatch):
+    """The logrotate snippet names the log file of a unit written with `--system --log-file /var/log/mlxd/mlxd.log`,
+    and its postrotate reload is the unit's SIGHUP (which reopens the log: tests/test_log_file.py)."""
+    from tests.test_readme_configs import fenced_blocks
+
+    (snippet,) = [block for _, block in fenced_blocks() if "postrotate" in block]
+    log_file, reload = snippet.splitlines()[0].removesuffix(" {"), snippet.split("postrotate")[1].split()[:3]
+    monkeypatch.chdir(ROOT)
+    spec = build_spec(parser().parse_args(["install", "--platform", "linux", "--system", "--config",
+                                           "configs/default.toml", "--log-file", log_file]), 30.0)
+    unit = render(spec).decode()
+    assert reload == ["systemctl", "reload", spec.name]
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in unit.splitlines()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.endswith(f"--log-file {log_file}"), exec_start
