@@ -87,3 +87,16 @@ def test_errors_name_the_file_and_the_model_field(tmp_path, text, expected):
     path = write(tmp_path, text)
     message = error_of(path)
     assert str(path) in message and expected in message, message
+
+
+def test_the_readme_s_several_models_config_is_valid(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    text = root.joinpath("README.md").read_text()
+    block = text[text.index("# models.toml\n"):]
+    block = block[:block.index("```")]
+    config, _ = load_everything(write(tmp_path, block))
+    chat, vision, embed = served_models(config)
+    assert (chat.name, chat.pin, chat.load, chat.config.model.sampling.temperature) == ("chat", True, "at_start", 0.6)
+    assert (vision.name, vision.load, vision.idle_unload_s) == ("vision", "on_request", 600)
+    assert (embed.config.model.kind, embed.load, embed.config.engine.max_waiting) == ("embedding", "at_start", 256)
+    assert config.server.models_memory_bytes == 48_000_000_000
