@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, action="append", default=[], help="an mlx-lm model folder (repeat)")
     parser.add_argument("--build", type=Path, help="write random Qwen3 folders (tiny, small) here and measure them")
     parser.add_argument("--device", default="auto", help='"cpu", "gpu" or "auto" (as [model] device)')
-    parser.add_argument("--pooling", choices=("last", "mean"), default="last")
+    parser.add_argument("--pooling", choices=("auto", "last", "mean", "cls"), default="auto")
     parser.add_argument("--words", default="6,16", help="words per text, the least and the most (default 6,16)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     parser.add_argument("--out", type=Path, help="markdown document whose section this run replaces")
@@ -84,7 +84,7 @@ def load_engine(folder: Path, device: str, pooling: str) -> Any:
 def measure(engine: Any, loaded: Any, texts: list[str], pooling: str) -> dict[str, float]:
     """Seconds for the 64 texts, each way, once."""
     from mlxd.engine.embedding import EmbeddingRequest
-    from mlxd.engine.pooling import pooled_vectors
+    from mlxd.engine.pooling import make_pool
 
     def request(batch: list[str]) -> EmbeddingRequest:
         return EmbeddingRequest(request_id="bench", texts=batch)
@@ -100,6 +100,7 @@ def measure(engine: Any, loaded: Any, texts: list[str], pooling: str) -> dict[st
             await engine.embed(request([text]))
 
     rows = [list(loaded.tokenizer.encode(text)) for text in texts]
+    pool = make_pool(loaded)
     seconds = {}
     for name, run in (("one request of 64", one_request), ("64 requests at once", concurrent),
                       ("64 requests one at a time", one_at_a_time)):
@@ -107,7 +108,7 @@ def measure(engine: Any, loaded: Any, texts: list[str], pooling: str) -> dict[st
         asyncio.run(run())
         seconds[name] = time.perf_counter() - started
     started = time.perf_counter()
-    pooled_vectors(loaded.model, rows, pooling, True)  # on this thread's default stream: the model's device
+    pool(rows, pooling, True)  # on this thread's default stream: the model's device
     seconds["mlx-lm body, one pass (no engine)"] = time.perf_counter() - started
     return seconds
 

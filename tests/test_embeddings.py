@@ -150,9 +150,10 @@ def test_embeddings_requests_to_a_chat_model_are_400s_naming_it(tiny_model_dir, 
 
 def test_concurrent_requests_share_one_pass_and_equal_their_solo_vectors(tiny_qwen3_dir):
     from mlxd.engine.embedding import EmbeddingEngine, EmbeddingRequest
+    from mlxd.engine.pooling import DecoderPool
 
     model, tokenizer = _load(tiny_qwen3_dir)
-    engine = EmbeddingEngine(model, tokenizer, name="tiny", pooling="last", normalize=True, truncate=False,
+    engine = EmbeddingEngine(DecoderPool(model), tokenizer, name="tiny", pooling="auto", normalize=True, truncate=False,
                              context_length=64, max_waiting=16, gather_s=0.05)
     engine.start()
     try:

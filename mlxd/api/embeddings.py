@@ -47,10 +47,8 @@ class EmbeddingsController(Controller):
     async def embeddings(self, data: JSONBody[EmbeddingsRequest], daemon: NamedDependency[Daemon]) -> Response:
         """Vectors for each input, in input order, with the tokens they used."""
         started = time.monotonic()
-        # The model, its config and its engine (with a model registry: what it resolves ``data.model`` to).
-        daemon.require_ready()
-        name = daemon.resolve_model(data.model)
-        model_config, engine = daemon.config.model, daemon.engine
+        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+        name, model_config, engine = served.name, served.config.model, served.engine
         if model_config.kind != "embedding":
             raise RequestError(f"model {name!r} is a chat model, not an embedding model (kind = \"embedding\" in "
                                "its config): use /v1/chat/completions", param="model")

@@ -108,11 +108,12 @@ class ModelConfig(Base):
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|gpu)(:[0-9]+)?$")] = "auto"
     sampling: SamplingDefaults = SamplingDefaults()
     # kind = "embedding": "last" pools the hidden state of each input's last token after the final norm (as
-    # Qwen3-Embedding does), "mean" averages it over the input's tokens; vectors are L2-normalized unless `normalize`
+    # Qwen3-Embedding does), "mean" averages it over the input's tokens, "cls" takes the first token's; "auto": "last"
+    # for mlx-lm models, "mean" for BERT-family encoders (mlx-embeddings). Vectors are L2-normalized unless `normalize`
     # is false. An input longer than context_length is a 400 naming it, or is cut to its first tokens with `truncate`.
     # `dimensions_allowed`: requests may ask for fewer `dimensions` (Matryoshka-trained models: the first N
     # features, renormalized); otherwise asking for dimensions is a 400.
-    pooling: Literal["last", "mean"] = "last"
+    pooling: Literal["auto", "last", "mean", "cls"] = "auto"
     normalize: bool = True
     truncate: bool = False
     dimensions_allowed: bool = False

@@ -4,7 +4,7 @@ The event loop hands over an :class:`EmbeddingRequest` (texts or token id lists)
 :class:`Embedded` answer. The engine thread takes every request waiting, tokenizes and checks their inputs (an empty
 or over-long one, or a token id outside the vocabulary, is a ``RequestError`` naming ``input[i]``), sorts all the
 inputs by length and runs them in passes of at most :data:`MAX_PASS_ROWS` rows and ``max_pass_tokens`` padded
-tokens (:func:`mlxd.engine.pooling.pooled_vectors`), so that concurrent requests share passes. MLX work runs on
+tokens (a :mod:`mlxd.engine.pooling` pass: a decoder's or an encoder's), so that concurrent requests share passes. MLX work runs on
 the device stream (:func:`mlxd.runtime.device.device_stream`), like the batched engine's. Chat requests
 (``submit``) are refused with a 400 naming the model.
 """
@@ -61,14 +61,14 @@ class _Pending:
 class EmbeddingEngine:
     """Pools a text model's last hidden state; the lifecycle surface (start, stop, status, failure) of an engine."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str, pooling: str, normalize: bool, truncate: bool,
+    def __init__(self, pool: Any, tokenizer: Any, *, name: str, pooling: str, normalize: bool, truncate: bool,
                  context_length: int, max_waiting: int, gather_s: float = 0.0,
                  max_pass_tokens: int = MAX_PASS_TOKENS) -> None:
-        from mlxd.engine.pooling import check_embeddable
-
-        check_embeddable(model)
-        self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.pooling, self.normalize, self.truncate = pooling, normalize, truncate
+        """``pool``: :class:`mlxd.engine.pooling.DecoderPool` or ``EncoderPool``; ``pooling`` "auto" is its
+        default (``last`` for decoders, ``mean`` for encoders)."""
+        self.pool, self.tokenizer, self.name = pool, tokenizer, name
+        self.pooling = pool.default_pooling if pooling == "auto" else pooling
+        self.normalize, self.truncate = normalize, truncate
         self.context_length, self.max_waiting, self.gather_s = context_length, max_waiting, gather_s
         self.max_pass_tokens = max(max_pass_tokens, context_length)
         self.max_running = MAX_PASS_ROWS
@@ -180,11 +180,8 @@ class EmbeddingEngine:
 
     def _warm_up(self) -> None:
         """One pass (the vocabulary and hidden size measured from the model's own arrays)."""
-        from mlxd.engine.pooling import pooled_vectors
-
-        logits = self.model(_token_array([[0]]))
-        self.vocab_size = int(logits.shape[-1])
-        self.hidden_size = int(pooled_vectors(self.model, [[0], [0, 0]], self.pooling, self.normalize).shape[-1])
+        self.vocab_size = self.pool.vocab_size()
+        self.hidden_size = int(self.pool([[0], [0, 0]], self.pooling, self.normalize).shape[-1])
 
     def _take(self) -> list[_Pending] | None:
         """Every waiting request (None once stopping). The first to arrive waits until no other has arrived for
@@ -250,8 +247,6 @@ class EmbeddingEngine:
 
     def _pool(self, items: list[_Pending]) -> None:
         """All the items' rows, shortest first, in passes within the row and token bounds; each item's vectors."""
-        from mlxd.engine.pooling import pooled_vectors
-
         flat = [(position, row) for position, row in enumerate(row for item in items for row in item.rows)]
         flat.sort(key=lambda pair: len(pair[1]))
         vectors = np.zeros((len(flat), self.hidden_size), dtype=np.float32)
@@ -262,8 +257,8 @@ class EmbeddingEngine:
                    and (end + 1 - start) * len(flat[end][1]) <= self.max_pass_tokens):
                 end += 1
             chunk = flat[start:end]
-            vectors[[position for position, _ in chunk]] = pooled_vectors(
-                self.model, [row for _, row in chunk], self.pooling, self.normalize)
+            vectors[[position for position, _ in chunk]] = self.pool([row for _, row in chunk], self.pooling,
+                                                                     self.normalize)
             self.totals["num_passes"] += 1
             start = end
         offset = 0
@@ -286,12 +281,6 @@ class EmbeddingEngine:
         _resolve(item, Embedded(vectors, num_tokens))
 
 
-def _token_array(rows: list[list[int]]) -> Any:
-    import mlx.core as mx
-
-    return mx.array(rows, dtype=mx.int32)
-
-
 def _resolve(item: _Pending, outcome: Embedded | MlxdError) -> None:
     """Hand ``outcome`` to the request's event loop (nothing when its client has gone or the loop is closed)."""
 
@@ -312,7 +301,9 @@ def _resolve(item: _Pending, outcome: Embedded | MlxdError) -> None:
 def make_embedding_engine(model_config: Any, engine_config: Any, loaded: Any, name: str) -> EmbeddingEngine:
     """The engine for a ``kind = "embedding"`` model (``model_config``: its ``ModelConfig``; ``loaded``: the
     :class:`mlxd.models.load.LoadedModel`)."""
-    return EmbeddingEngine(loaded.model, loaded.tokenizer, name=name, pooling=model_config.pooling,
+    from mlxd.engine.pooling import make_pool
+
+    return EmbeddingEngine(make_pool(loaded), loaded.tokenizer, name=name, pooling=model_config.pooling,
                            normalize=model_config.normalize, truncate=model_config.truncate,
                            context_length=loaded.context_length, max_waiting=engine_config.max_waiting,
                            gather_s=engine_config.gather_ms / 1000)

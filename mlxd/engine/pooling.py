@@ -1,11 +1,13 @@
-"""One forward pass of a text model's body over a padded batch of inputs, pooled into one vector per input.
+"""One forward pass over a padded batch of inputs, pooled into one vector per input.
 
-The body is mlx-lm's inner model (``model.model``: embeddings, layers, final norm), which returns the last hidden
-state. Inputs are padded on the left, and every layer gets an mlx-lm ``BatchKVCache`` told each row's padding: its
-mask keeps padding out of every row's attention, and its per-row offsets start each row's positions at 0 where its
-tokens start, so that a row's vector does not depend on the rows beside it. With left padding every row's last token
-is the batch's last position (``pooling = "last"``, as Qwen3-Embedding pools); ``"mean"`` averages each row over its
-own tokens. Pooled vectors are float32 and L2-normalized unless ``normalize`` is off. Nothing here is reassigned.
+Decoders (mlx-lm text models, :class:`DecoderPool`): the body is mlx-lm's inner model (``model.model``: embeddings,
+layers, final norm), which returns the last hidden state. Inputs are padded on the left, and every layer gets an
+mlx-lm ``BatchKVCache`` told each row's padding: its mask keeps padding out of every row's attention, and its per-row
+offsets start each row's positions at 0 where its tokens start, so that a row's vector does not depend on the rows
+beside it. Encoders (the BERT family through mlx-embeddings, :class:`EncoderPool`): inputs padded on the right with
+an attention mask, as those models take them. Pooling: ``last`` (each input's last token, as Qwen3-Embedding
+pools), ``mean`` (over its own tokens), ``cls`` (its first token); vectors are float32 and L2-normalized unless
+``normalize`` is off. Nothing here is reassigned.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxd.errors import ModelLoadError
-
-POOLINGS = ("last", "mean")
 
 
 def check_embeddable(model: Any) -> None:
@@ -35,23 +35,72 @@ def check_embeddable(model: Any) -> None:
                              "models whose layers are all full attention (KVCache)")
 
 
-def pooled_vectors(model: Any, rows: list[list[int]], pooling: str, normalize: bool) -> np.ndarray:
-    """Vectors of ``rows`` (token id lists, none empty) in one pass: a float32 array of shape (len(rows), hidden)."""
-    width = max(len(row) for row in rows)
-    pads = [width - len(row) for row in rows]
-    tokens = mx.array([[0] * pad + row for pad, row in zip(pads, rows, strict=True)], dtype=mx.int32)
-    caches = [BatchKVCache(pads) for _ in range(len(model.layers))]
-    hidden = model.model(tokens, cache=caches).astype(mx.float32)
+class DecoderPool:
+    """An mlx-lm text model's vectors, inputs left-padded."""
+
+    default_pooling = "last"
+
+    def __init__(self, model: Any) -> None:
+        check_embeddable(model)
+        self.model = model
+
+    def vocab_size(self) -> int:
+        """The logits width, measured with one token."""
+        return int(self.model(mx.array([[0]], dtype=mx.int32)).shape[-1])
+
+    def __call__(self, rows: list[list[int]], pooling: str, normalize: bool) -> np.ndarray:
+        """Vectors of ``rows`` (token id lists, none empty) in one pass: float32, (len(rows), hidden)."""
+        width = max(len(row) for row in rows)
+        pads = [width - len(row) for row in rows]
+        tokens = mx.array([[0] * pad + row for pad, row in zip(pads, rows, strict=True)], dtype=mx.int32)
+        caches = [BatchKVCache(pads) for _ in range(len(self.model.layers))]
+        hidden = self.model.model(tokens, cache=caches)
+        return _pooled(hidden, pads, [len(row) for row in rows], pooling, normalize)
+
+
+class EncoderPool:
+    """An mlx-embeddings encoder's vectors (BERT family), inputs right-padded with an attention mask."""
+
+    default_pooling = "mean"
+
+    def __init__(self, model: Any, pad_token_id: int | None) -> None:
+        self.model, self.pad_token_id = model, pad_token_id or 0
+
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def __call__(self, rows: list[list[int]], pooling: str, normalize: bool) -> np.ndarray:
+        width = max(len(row) for row in rows)
+        tokens = mx.array([row + [self.pad_token_id] * (width - len(row)) for row in rows], dtype=mx.int32)
+        mask = mx.array([[1] * len(row) + [0] * (width - len(row)) for row in rows], dtype=mx.float32)
+        hidden = self.model(tokens, attention_mask=mask).last_hidden_state
+        return _pooled(hidden, [0] * len(rows), [len(row) for row in rows], pooling, normalize)
+
+
+def _pooled(hidden: mx.array, starts: list[int], lengths: list[int], pooling: str, normalize: bool) -> np.ndarray:
+    """Each row's vector from ``hidden`` (batch, width, features), its tokens at ``[start, start + length)``."""
+    hidden = hidden.astype(mx.float32)
+    rows = mx.arange(len(starts))
     if pooling == "last":
-        pooled = hidden[:, -1, :]
+        pooled = hidden[rows, mx.array([s + n - 1 for s, n in zip(starts, lengths, strict=True)])]
+    elif pooling == "cls":
+        pooled = hidden[rows, mx.array(starts)]
     else:
-        keep = (mx.arange(width)[None, :] >= mx.array(pads)[:, None]).astype(mx.float32)
-        lengths = mx.array([len(row) for row in rows], dtype=mx.float32)
-        pooled = (hidden * keep[..., None]).sum(axis=1) / lengths[:, None]
+        positions = mx.arange(hidden.shape[1])[None, :]
+        begin, end = mx.array(starts)[:, None], mx.array([s + n for s, n in zip(starts, lengths, strict=True)])[:, None]
+        keep = ((positions >= begin) & (positions < end)).astype(mx.float32)
+        pooled = (hidden * keep[..., None]).sum(axis=1) / mx.array(lengths, dtype=mx.float32)[:, None]
     if normalize:
         pooled = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
     mx.eval(pooled)
     return np.array(pooled, copy=True)
+
+
+def make_pool(loaded: Any) -> DecoderPool | EncoderPool:
+    """The pooled forward pass for a loaded model: an encoder's (``kind`` "encoder") or a decoder's."""
+    if loaded.kind == "encoder":
+        return EncoderPool(loaded.model, loaded.tokenizer.pad_token_id)
+    return DecoderPool(loaded.model)
 
 
 def shorten(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
