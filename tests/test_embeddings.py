@@ -171,3 +171,52 @@ def test_concurrent_requests_share_one_pass_and_equal_their_solo_vectors(tiny_qw
                 np.testing.assert_allclose(vector, _direct(model, tokenizer.encode(text), "last"), atol=ATOL)
     finally:
         engine.stop()
+
+
+# ---- BERT-family encoders through mlx-embeddings ----
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tiny_models_root):
+    pytest.importorskip("mlx_embeddings")
+    from tests.support.tiny_bert import tiny_bert_cached
+
+    return tiny_bert_cached(tiny_models_root)
+
+
+def test_an_encoder_loads_through_mlx_embeddings_and_equals_its_own_pooling(tiny_bert_dir):
+    from mlx_embeddings.utils import load_model
+
+    from mlxd.config.schema import EngineConfig, ModelConfig
+    from mlxd.engine.embedding import EmbeddingRequest, make_embedding_engine
+    from mlxd.models.encoder import encoder_type, load_encoder
+
+    config = ModelConfig(source=str(tiny_bert_dir), kind="embedding", name="bert")
+    assert encoder_type(config) == "bert"
+    assert encoder_type(ModelConfig(source=str(tiny_bert_dir))) is None  # only for kind = "embedding"
+    loaded = load_encoder(config)
+    assert loaded.kind == "encoder" and loaded.context_length == 64
+    engine = make_embedding_engine(config, EngineConfig(gather_ms=50), loaded, "bert")
+    engine.start()
+    try:
+        async def embed_all(groups: list[list[str]]) -> list[np.ndarray]:
+            requests = [EmbeddingRequest(request_id=str(i), texts=texts) for i, texts in enumerate(groups)]
+            return [answer.vectors for answer in await asyncio.gather(*map(engine.embed, requests))]
+
+        assert engine.pooling == "mean"  # "auto" for an encoder
+        together = asyncio.run(embed_all([TEXTS, TEXTS[2:4]]))
+        # The oracle: mlx-embeddings' own model on each text alone (no padding), its mean-pooled, normalized output.
+        reference = load_model(tiny_bert_dir)
+        reference.set_dtype(mx.float32)
+        for index, text in enumerate(TEXTS):
+            ids = loaded.tokenizer.encode(text)
+            assert ids[0] == loaded.tokenizer.convert_tokens_to_ids("[CLS]")
+            expected = np.array(reference(mx.array([ids]), attention_mask=mx.ones((1, len(ids)))).text_embeds[0])
+            np.testing.assert_allclose(together[0][index], expected, atol=ATOL)
+        np.testing.assert_allclose(together[1], together[0][2:4], atol=ATOL)
+        over = EmbeddingRequest(request_id="long", texts=["word " * 80])
+        with pytest.raises(Exception, match="more than this model's 64") as refused:
+            asyncio.run(engine.embed(over))
+        assert refused.value.param == "input[0]"
+    finally:
+        engine.stop()
