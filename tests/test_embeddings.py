@@ -220,3 +220,28 @@ def test_an_encoder_loads_through_mlx_embeddings_and_equals_its_own_pooling(tiny
         assert refused.value.param == "input[0]"
     finally:
         engine.stop()
+
+
+def test_passes_take_the_device_turn_shared_with_other_models(tiny_qwen3_dir):
+    from mlxd.config.schema import EngineConfig, ModelConfig
+    from mlxd.engine.embedding import EmbeddingRequest, make_embedding_engine
+    from mlxd.models.load import load
+    from mlxd.runtime.device_turn import DeviceTurn
+
+    config = ModelConfig(source=str(tiny_qwen3_dir), kind="embedding")
+    turn, holders = DeviceTurn(), []
+    turn.on_turn = holders.append
+    engine = make_embedding_engine(config, EngineConfig(gather_ms=0), load(config), "emb", turn=turn)
+    engine.start()
+    try:
+        assert holders == ["emb"]  # the warm-up
+        request = EmbeddingRequest(request_id="1", texts=["hello"])
+        turn.take("chat")  # another model's step holds the device: no pass runs meanwhile
+        with pytest.raises(TimeoutError):
+            asyncio.run(asyncio.wait_for(engine.embed(request), 0.5))
+        turn.give()
+        answer = asyncio.run(asyncio.wait_for(engine.embed(request), 30))
+        assert answer.vectors.shape == (1, engine.hidden_size)
+        assert holders[:2] == ["emb", "chat"] and set(holders[2:]) == {"emb"}, holders
+    finally:
+        engine.stop()

@@ -12,6 +12,7 @@ the device stream (:func:`mlxd.runtime.device.device_stream`), like the batched 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -63,15 +64,18 @@ class EmbeddingEngine:
 
     def __init__(self, pool: Any, tokenizer: Any, *, name: str, pooling: str, normalize: bool, truncate: bool,
                  context_length: int, max_waiting: int, gather_s: float = 0.0,
-                 max_pass_tokens: int = MAX_PASS_TOKENS) -> None:
+                 max_pass_tokens: int = MAX_PASS_TOKENS, turn: Any = None) -> None:
         """``pool``: :class:`mlxd.engine.pooling.DecoderPool` or ``EncoderPool``; ``pooling`` "auto" is its
-        default (``last`` for decoders, ``mean`` for encoders)."""
+        default (``last`` for decoders, ``mean`` for encoders). ``turn``: the device's
+        :class:`mlxd.runtime.device_turn.DeviceTurn` when several models share it (each pass and the warm-up take
+        it), None for one model."""
         self.pool, self.tokenizer, self.name = pool, tokenizer, name
         self.pooling = pool.default_pooling if pooling == "auto" else pooling
         self.normalize, self.truncate = normalize, truncate
         self.context_length, self.max_waiting, self.gather_s = context_length, max_waiting, gather_s
         self.max_pass_tokens = max(max_pass_tokens, context_length)
         self.max_running = MAX_PASS_ROWS
+        self._turn = turn
         self.vocab_size = 0
         self.hidden_size = 0
         self.failure: str | None = None
@@ -180,8 +184,12 @@ class EmbeddingEngine:
 
     def _warm_up(self) -> None:
         """One pass (the vocabulary and hidden size measured from the model's own arrays)."""
-        self.vocab_size = self.pool.vocab_size()
-        self.hidden_size = int(self.pool([[0], [0, 0]], self.pooling, self.normalize).shape[-1])
+        with self._device_turn():
+            self.vocab_size = self.pool.vocab_size()
+            self.hidden_size = int(self.pool([[0], [0, 0]], self.pooling, self.normalize).shape[-1])
+
+    def _device_turn(self) -> Any:
+        return self._turn.held(self.name) if self._turn is not None else contextlib.nullcontext()
 
     def _take(self) -> list[_Pending] | None:
         """Every waiting request (None once stopping). The first to arrive waits until no other has arrived for
@@ -257,8 +265,9 @@ class EmbeddingEngine:
                    and (end + 1 - start) * len(flat[end][1]) <= self.max_pass_tokens):
                 end += 1
             chunk = flat[start:end]
-            vectors[[position for position, _ in chunk]] = self.pool([row for _, row in chunk], self.pooling,
-                                                                     self.normalize)
+            with self._device_turn():
+                vectors[[position for position, _ in chunk]] = self.pool([row for _, row in chunk], self.pooling,
+                                                                         self.normalize)
             self.totals["num_passes"] += 1
             start = end
         offset = 0
@@ -298,12 +307,13 @@ def _resolve(item: _Pending, outcome: Embedded | MlxdError) -> None:
         return
 
 
-def make_embedding_engine(model_config: Any, engine_config: Any, loaded: Any, name: str) -> EmbeddingEngine:
+def make_embedding_engine(model_config: Any, engine_config: Any, loaded: Any, name: str,
+                          turn: Any = None) -> EmbeddingEngine:
     """The engine for a ``kind = "embedding"`` model (``model_config``: its ``ModelConfig``; ``loaded``: the
-    :class:`mlxd.models.load.LoadedModel`)."""
+    :class:`mlxd.models.load.LoadedModel`; ``turn``: the device's turn when several models share it)."""
     from mlxd.engine.pooling import make_pool
 
     return EmbeddingEngine(make_pool(loaded), loaded.tokenizer, name=name, pooling=model_config.pooling,
                            normalize=model_config.normalize, truncate=model_config.truncate,
                            context_length=loaded.context_length, max_waiting=engine_config.max_waiting,
-                           gather_s=engine_config.gather_ms / 1000)
+                           gather_s=engine_config.gather_ms / 1000, turn=turn)
