@@ -245,3 +245,37 @@ def test_passes_take_the_device_turn_shared_with_other_models(tiny_qwen3_dir):
         assert holders[:2] == ["emb", "chat"] and set(holders[2:]) == {"emb"}, holders
     finally:
         engine.stop()
+
+
+def test_a_chat_model_and_an_embedding_model_in_one_daemon(tmp_path, tiny_model_dir, tiny_qwen3_dir):
+    # The embedding model loads on its first request and answers as a one-model daemon does; each refuses the
+    # other's endpoint naming itself.
+    solo_dir = tmp_path / "solo"
+    solo_dir.mkdir()
+    with app_client(write_config(solo_dir, tiny_qwen3_dir, model_extra='kind = "embedding"')) as (client, _):
+        solo = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS}))
+    config = tmp_path / "two.toml"
+    config.write_text(f"""[models.chat]
+source = "{tiny_model_dir}"
+[models.chat.sampling]
+temperature = 0.0
+max_tokens = 8
+[models.embed]
+source = "{tiny_qwen3_dir}"
+kind = "embedding"
+[logging]
+format = "json"
+""")
+    with app_client(config) as (client, _):
+        states = {card["id"]: card["state"] for card in client.get("/v1/models").json()["data"]}
+        assert states == {"chat": "ready", "embed": "unloaded"}, states
+        np.testing.assert_array_equal(_vectors(client.post("/v1/embeddings", json={"model": "embed",
+                                                                                   "input": TEXTS})), solo)
+        chat = client.post("/v1/chat/completions", json={"model": "chat", "messages": [{"role": "user",
+                                                                                        "content": "hi"}]})
+        assert chat.status_code == 200, chat.text
+        wrong = client.post("/v1/embeddings", json={"model": "chat", "input": "hi"})
+        assert wrong.status_code == 400 and "'chat' is a chat model" in wrong.json()["error"]["message"]
+        wrong = client.post("/v1/chat/completions", json={"model": "embed", "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+        assert wrong.status_code == 400 and "'embed' is an embedding model" in wrong.json()["error"]["message"]
