@@ -279,3 +279,21 @@ format = "json"
         wrong = client.post("/v1/chat/completions", json={"model": "embed", "messages": [{"role": "user",
                                                                                           "content": "hi"}]})
         assert wrong.status_code == 400 and "'embed' is an embedding model" in wrong.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_long_inputs_in_chunks_equal_the_direct_computation(tiny_models_root, arch, pooling):
+    # mlxd's load (on the CPU, llama's attention goes through mlxd's blocked prompt attention), inputs of 1 to 70
+    # tokens left-padded into one batch and run 16 positions at a time, against the oracle on each input alone.
+    from mlxd.config.schema import ModelConfig
+    from mlxd.engine.pooling import DecoderPool
+    from mlxd.models.load import load
+    from tests.support.tiny import tiny_model_cached
+
+    folder = tiny_model_cached(tiny_models_root, arch)
+    loaded = load(ModelConfig(source=str(folder), kind="embedding"))
+    rows = [list(range(3, 3 + n)) for n in (1, 5, 40, 70, 17)]
+    chunked = DecoderPool(loaded.model, chunk=16)(rows, pooling, True)
+    oracle, _ = _load(folder)
+    np.testing.assert_allclose(chunked, np.stack([_direct(oracle, row, pooling) for row in rows]), atol=ATOL)

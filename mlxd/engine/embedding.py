@@ -313,7 +313,7 @@ def make_embedding_engine(model_config: Any, engine_config: Any, loaded: Any, na
     :class:`mlxd.models.load.LoadedModel`; ``turn``: the device's turn when several models share it)."""
     from mlxd.engine.pooling import make_pool
 
-    return EmbeddingEngine(make_pool(loaded), loaded.tokenizer, name=name, pooling=model_config.pooling,
+    return EmbeddingEngine(make_pool(loaded, engine_config.prefill_chunk), loaded.tokenizer, name=name, pooling=model_config.pooling,
                            normalize=model_config.normalize, truncate=model_config.truncate,
                            context_length=loaded.context_length, max_waiting=engine_config.max_waiting,
                            gather_s=engine_config.gather_ms / 1000, turn=turn)

@@ -36,13 +36,15 @@ def check_embeddable(model: Any) -> None:
 
 
 class DecoderPool:
-    """An mlx-lm text model's vectors, inputs left-padded."""
+    """An mlx-lm text model's vectors, inputs left-padded, run ``chunk`` positions at a time (the caches carry the
+    earlier chunks' keys and values), so that a pass over long inputs never holds more than ``chunk`` queries'
+    attention scores, as the batched engine's prompt chunks do."""
 
     default_pooling = "last"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, chunk: int = 512) -> None:
         check_embeddable(model)
-        self.model = model
+        self.model, self.chunk = model, chunk
 
     def vocab_size(self) -> int:
         """The logits width, measured with one token."""
@@ -54,7 +56,11 @@ class DecoderPool:
         pads = [width - len(row) for row in rows]
         tokens = mx.array([[0] * pad + row for pad, row in zip(pads, rows, strict=True)], dtype=mx.int32)
         caches = [BatchKVCache(pads) for _ in range(len(self.model.layers))]
-        hidden = self.model.model(tokens, cache=caches)
+        parts = []
+        for start in range(0, width, self.chunk):
+            parts.append(self.model.model(tokens[:, start: start + self.chunk], cache=caches))
+            mx.eval(parts[-1])
+        hidden = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
         return _pooled(hidden, pads, [len(row) for row in rows], pooling, normalize)
 
 
@@ -96,11 +102,12 @@ def _pooled(hidden: mx.array, starts: list[int], lengths: list[int], pooling: st
     return np.array(pooled, copy=True)
 
 
-def make_pool(loaded: Any) -> DecoderPool | EncoderPool:
-    """The pooled forward pass for a loaded model: an encoder's (``kind`` "encoder") or a decoder's."""
+def make_pool(loaded: Any, chunk: int = 512) -> DecoderPool | EncoderPool:
+    """The pooled forward pass for a loaded model: an encoder's (``kind`` "encoder") or a decoder's (``chunk``
+    positions at a time)."""
     if loaded.kind == "encoder":
         return EncoderPool(loaded.model, loaded.tokenizer.pad_token_id)
-    return DecoderPool(loaded.model)
+    return DecoderPool(loaded.model, chunk)
 
 
 def shorten(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
