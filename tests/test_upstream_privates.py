@@ -252,6 +252,9 @@ def _private_uses(source: str) -> set[str]:
             found |= {a.name for a in node.names if any(_private(part) for part in a.name.split("."))}
         elif isinstance(node, ast.ClassDef) and any(ast.unparse(b).split(".")[0] in upstream for b in node.bases):
             found |= _inherited_privates(node)
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr")
+              and node.args[1:] and isinstance(node.args[1], ast.Constant) and _private(str(node.args[1].value))):
+            found.add(node.args[1].value)  # getattr(obj, "_name")
     return found
 
 
@@ -270,8 +273,8 @@ def test_every_private_use_in_mlxd_is_named() -> None:
 def test_the_scan_sees_a_private_use() -> None:
     source = ("from mlx_lm.models.cache import KVCache\nfrom x._y import z\nfrom a import _b\n"
               "class C(KVCache):\n    def f(self):\n        self._mine = 1\n        return self._idx, other._size\n"
-              "class D:\n    def f(self):\n        return self._not_inherited\n")
-    assert _private_uses(source) == {"_idx", "_size", "x._y", "a._b"}
+              "class D:\n    def f(self):\n        return self._not_inherited, getattr(self, '_probed', None)\n")
+    assert _private_uses(source) == {"_idx", "_size", "x._y", "a._b", "_probed"}
 
 
 def _requirements() -> dict[str, list[Requirement]]:
