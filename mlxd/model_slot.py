@@ -152,7 +152,7 @@ class ModelSlot:
         if config.model.kind == "embedding":
             from mlxd.engine.embedding import make_embedding_engine
 
-            return make_embedding_engine(config.model, config.engine, loaded, self.name)
+            return make_embedding_engine(config.model, config.engine, loaded, self.name, turn=hooks.turn)
         drafter = make_drafter(config.engine.speculative, loaded.model, loaded.path, hooks.base_dir)
         if hooks.make_engine is not None:
             return hooks.make_engine(config.engine, loaded.model, drafter)
