@@ -297,3 +297,15 @@ def test_long_inputs_in_chunks_equal_the_direct_computation(tiny_models_root, ar
     chunked = DecoderPool(loaded.model, chunk=16)(rows, pooling, True)
     oracle, _ = _load(folder)
     np.testing.assert_allclose(chunked, np.stack([_direct(oracle, row, pooling) for row in rows]), atol=ATOL)
+
+
+def test_the_openai_sdk_gets_the_float_vectors_through_its_default_base64(served):
+    # The SDK asks for base64 unless told otherwise and decodes it itself: its floats equal the float answer.
+    from openai import OpenAI
+
+    client, _, _ = served
+    sdk = OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client)
+    answer = sdk.embeddings.create(model="tiny", input=TEXTS[:3])
+    floats = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[:3]}))
+    np.testing.assert_array_equal(np.array([item.embedding for item in answer.data], dtype=np.float32), floats)
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens > 0 and answer.model == "tiny"
