@@ -124,35 +124,71 @@ def load(config: ModelConfig, base_dir: Path | None = None, group: Any = None) -
 def _load_folder(config: ModelConfig, folder: Path, base_dir: Path | None, group: Any) -> LoadedModel:
     """:func:`load`'s work once the source is an MLX folder: the weights made and evaluated (or, sharded, lazily
     read), dtype and kernels chosen, the chat template read."""
+    kind = _served_kind(folder, config, group)
+    model, tokenizer, processor, model_config = _make_model(folder, kind, config, group)
+    dtype = choose_dtype(config.dtype)
+    model = _cast(model, dtype)
+    if kind == "vision" and group is None:
+        _attach_text_twin(model, folder, dtype)
+    _swap_layers(model, kind, config, dtype, group)
+    if config.chat_template:
+        tokenizer.chat_template = _read_template(config.chat_template, base_dir)
+    context = choose_context_length(config.context_length, _context_length(model_config))
+    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model), processor)
+
+
+def _served_kind(folder: Path, config: ModelConfig, group: Any) -> str:
+    """The folder's kind as served (``text`` or ``vision``); ``[distributed]`` serves text models only."""
     kind = detect_kind(folder, config.kind)
     if group is not None and kind == "vision":
         raise ModelLoadError(f"{folder} is a vision model, and [distributed] serves text models only (serve it with "
                              "[model] kind = \"text\", or without [distributed])")
-    import mlx.core as mx
-    from mlx_lm.utils import dequantize_model
+    return kind
 
+
+def _make_model(folder: Path, kind: str, config: ModelConfig, group: Any) -> tuple[Any, Any, Any, dict]:
+    """The model, its tokenizer, its processor (None for text) and its config.json, made by this thread on the
+    served device (sharded loads read their weights lazily)."""
     from mlxd.runtime.cuda import prepare_cuda
     from mlxd.runtime.device import select_device, use_device
 
     prepare_cuda(kind)
     use_device(select_device(config.device, group=group))  # this thread makes the weights: on the served device
-    processor = None
     if kind == "vision":
         from mlxd.models.vision_load import load_vision
 
-        model, tokenizer, processor, model_config = load_vision(folder)
-    else:
-        model, tokenizer, model_config = _load_text(folder, lazy=group is not None)
-    dtype = choose_dtype(config.dtype)
-    if dtype is not None:
-        model = dequantize_model(model)
-        model.set_dtype(getattr(mx, dtype))
-    if kind == "vision" and group is None:
-        from mlxd.models.text_twin import language_twin
+        return load_vision(folder)
+    model, tokenizer, model_config = _load_text(folder, lazy=group is not None)
+    return model, tokenizer, None, model_config
 
-        twin = language_twin(folder, model.language_model, dequantize=dtype is not None)
-        if twin is not None:
-            model.attach_text_twin(twin)
+
+def _cast(model: Any, dtype: str | None) -> Any:
+    """The model in ``dtype`` (quantized weights dequantized first); unchanged when ``dtype`` is None."""
+    if dtype is None:
+        return model
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+
+    model = dequantize_model(model)
+    model.set_dtype(getattr(mx, dtype))
+    return model
+
+
+def _attach_text_twin(model: Any, folder: Path, dtype: str | None) -> None:
+    """A vision model's token-only passes through mlx-lm's text model on the same weights, where the family has
+    one (:mod:`mlxd.models.text_twin`)."""
+    from mlxd.models.text_twin import language_twin
+
+    twin = language_twin(folder, model.language_model, dequantize=dtype is not None)
+    if twin is not None:
+        model.attach_text_twin(twin)
+
+
+def _swap_layers(model: Any, kind: str, config: ModelConfig, dtype: str | None, group: Any) -> None:
+    """mlxd's layers where they serve better (a vision tower's attention; the CPU's blocked prompt attention, or
+    the group's shards; the small-batch kernel on CUDA), the weights evaluated once cast or sharded."""
+    import mlx.core as mx
+
     if kind == "vision":
         _use_tower_attention(model)
     if group is not None:
@@ -163,10 +199,6 @@ def _load_folder(config: ModelConfig, folder: Path, base_dir: Path | None, group
         mx.eval(model.parameters())
     if config.small_batch_kernel and mx.cuda.is_available():
         _use_small_batch_kernel(model)
-    if config.chat_template:
-        tokenizer.chat_template = _read_template(config.chat_template, base_dir)
-    context = choose_context_length(config.context_length, _context_length(model_config))
-    return LoadedModel(model, tokenizer, folder, kind, context, dtype or _native_dtype(model), processor)
 
 
 def _load_text(folder: Path, lazy: bool = False) -> tuple[Any, Any, dict]:
