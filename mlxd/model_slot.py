@@ -124,9 +124,12 @@ class ModelSlot:
         sampling defaults where ``[model.sampling]`` leaves them open."""
         from mlx.utils import tree_flatten
 
+        from mlxd.models.encoder import encoder_type, load_encoder
         from mlxd.models.load import load
 
-        loaded = load(self.config.model, self.hooks.base_dir, group=self.hooks.group)
+        model, base_dir = self.config.model, self.hooks.base_dir
+        loaded = (load_encoder(model, base_dir) if encoder_type(model, base_dir)  # BERT-family embedding models
+                  else load(model, base_dir, group=self.hooks.group))
         self.config = with_model_sampling(self.config, loaded.path)  # [model.sampling] > the model's > mlxd's
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
         return loaded
