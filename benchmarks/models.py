@@ -42,6 +42,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def reexec_with_openblas(argv: list[str]) -> None:
+    """On Linux, run again with OpenBLAS preloaded, as ``mlxd serve`` does (float32 matmuls on the CPU)."""
+    import os
+
+    from mlxd.runtime.blas import ENV_REEXECED, find_openblas, preload_environment
+
+    lib = find_openblas()
+    if sys.platform != "linux" or os.environ.get(ENV_REEXECED) or lib is None:
+        return
+    env = {**preload_environment(lib, os.environ), ENV_REEXECED: "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
+
+
 def build_models(folder: Path, preset: str) -> list[Path]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from random_model import build
@@ -149,6 +164,7 @@ def write_section(out: Path, section: str) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    reexec_with_openblas(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folders = list(args.model) or (build_models(args.build or Path(tmp), args.preset))
         if len(folders) != 2:
