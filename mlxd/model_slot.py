@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxd.config.models import ServedModel
-from mlxd.errors import MlxdError, Overloaded
+from mlxd.errors import MlxdError, Overloaded, RequestError
 from mlxd.log import get_logger
 from mlxd.models.generation_config import with_model_sampling
 from mlxd.pipeline.job import Job
@@ -253,6 +253,9 @@ class ModelSlot:
         Requests waiting for or in preparation count against the queue: beyond ``[server] max_preparing``, or
         when they and the engine's requests fill ``[engine] max_running + max_waiting``, a newcomer gets
         ``Overloaded`` (429 with ``Retry-After``) before any work. ``flag`` stops the work at its next check."""
+        if self.config.model.kind == "embedding":  # before its template stage, which a BERT model cannot run
+            raise RequestError(f"model {self.name!r} is an embedding model: it serves POST /v1/embeddings only",
+                               param="model")
         engine, preparation = self.engine, self.hooks.preparation
         num_preparing = preparation.num_preparing
         num_engine = engine.num_active if engine is not None else 0
