@@ -208,3 +208,18 @@ def test_requests_that_arrive_together_for_an_unloaded_model_share_one_load(tmp_
             thread.join(120)
         assert [(status, body["choices"][0]["text"]) for status, body in results] == [(200, solo["b"])] * 3
         assert daemon.models.resolve("b").num_loads == 1
+
+
+def test_the_least_recently_used_idle_model_makes_room(tmp_path, tiny_models_root, tiny_model_dir, second_model_dir):
+    from tests.support.tiny import tiny_model_cached
+
+    third = tiny_model_cached(tiny_models_root, "llama", seed=2)
+    one = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, server_extra=f"models_memory_bytes = {int(one * 2.5)}")
+    config.write_text(config.read_text().replace("[logging]", f'[models.c]\nsource = "{third}"\n[logging]'))
+    with app_client(config) as (client, _):
+        for name in ["b", "a"]:  # b is used before a: the least recently used
+            assert complete(client, name)[0] == 200
+        assert states(client) == {"a": "ready", "b": "ready", "c": "unloaded"}
+        assert complete(client, "c")[0] == 200
+        assert states(client) == {"a": "ready", "b": "unloaded", "c": "ready"}
