@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,10 +82,13 @@ def launched(config: Path, port: int, timeout: float = 240) -> Iterator[tuple[st
             stop_process(proc)
 
 
-def chat(base: str, content: str, history: list[dict] | None = None, max_tokens: int = 16) -> dict:
+def chat(base: str, content: str, history: list[dict] | None = None, max_tokens: int = 16,
+         top_logprobs: int = 0) -> dict:
     messages = [*(history or []), {"role": "user", "content": content}]
+    logprobs = {"logprobs": True, "top_logprobs": top_logprobs} if top_logprobs else {}
     reply = httpx.post(base + "/v1/chat/completions", timeout=120,
-                       json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                       json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                             **logprobs})
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -93,10 +97,26 @@ PROMPTS = [f"Request number {i}: tell me about {topic}." for i, topic in
            enumerate(["rivers", "mountains", "tea", "clocks", "owls", "ships", "rain", "glass"])]
 
 
-def eight_at_once(base: str) -> list[str]:
+def eight_at_once(base: str) -> list[tuple[str, list[list[float]]]]:
+    """Each prompt's text and, for each of its tokens, the two best log-probabilities (all eight at once)."""
     with ThreadPoolExecutor(8) as pool:
-        replies = list(pool.map(lambda p: chat(base, p), PROMPTS))
-    return [r["choices"][0]["message"]["content"] for r in replies]
+        replies = list(pool.map(lambda p: chat(base, p, max_tokens=24, top_logprobs=2), PROMPTS))
+    return [(r["choices"][0]["message"]["content"],
+             [[top["logprob"] for top in entry["top_logprobs"]] for entry in r["choices"][0]["logprobs"]["content"]])
+            for r in replies]
+
+
+def separated_model(model_dir: Path, out: Path, factor: float = 64.0) -> Path:
+    """``model_dir`` with its output head scaled by ``factor``: the same greedy tokens, every gap between logits
+    ``factor`` times wider, so that no top two are near a tie the order of a sum across ranks could flip."""
+    out.mkdir()
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * factor
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
 
 
 def conversation(base: str) -> tuple[str, dict]:
@@ -113,18 +133,26 @@ def ranks(base: str) -> list[dict]:
 
 
 def test_tensor_parallel_matches_one_process_and_hits_the_prefix_cache_on_both_ranks(tiny_qwen3_dir, tmp_path):
+    model = separated_model(tiny_qwen3_dir, tmp_path / "model")
     single_port, group_port = free_port(), free_port()
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    single = write_config(tmp_path / "one", tiny_qwen3_dir, port=single_port, extra=SHORT_HITS)
-    group = distributed_config(tmp_path / "two", tiny_qwen3_dir, group_port, extra=SHORT_HITS)
+    single = write_config(tmp_path / "one", model, port=single_port, extra=SHORT_HITS)
+    group = distributed_config(tmp_path / "two", model, group_port, extra=SHORT_HITS)
     with serve_subprocess(single, single_port) as (base, _):
         expected = eight_at_once(base)
         expected_turn2, _ = conversation(base)
+    # The oracle holds where the top two logits are apart: far more than float32 sums in another order move them.
+    margins = [top[0] - top[1] for _, tops in expected for top in tops]
+    assert len(margins) == 8 * 24 and min(margins) > 0.05, sorted(margins)[:5]
     with launched(group, group_port) as (base, _, _):
         before = ranks(base)
         assert [r["rank"] for r in before] == [0, 1] and before[0]["pid"] != before[1]["pid"]
-        assert eight_at_once(base) == expected
+        served = eight_at_once(base)
+        assert [text for text, _ in served] == [text for text, _ in expected]
+        # What the sums' order leaves: log-probabilities equal to within float32 rounding, not bit for bit.
+        for (_, theirs), (_, ours) in zip(served, expected, strict=True):
+            assert sum(theirs, []) == pytest.approx(sum(ours, []), abs=1e-3)
         turn2, usage = conversation(base)
         assert turn2 == expected_turn2
         assert usage["prompt_tokens_details"]["cached_tokens"] > 0

@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +106,14 @@ def _ring_first_host(hostfile: str) -> str:
         return ""
 
 
-class ControlServer:
-    """Rank 0's end: a connection to each other rank, frames sent to all, their counters read on threads."""
+Announce = Callable[[Any, Hello | None], Hello]
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
+
+class ControlServer:
+    """Rank 0's end: a connection to each other rank, frames sent to all, their counters read on threads.
+    ``tell`` passes the :class:`Hello` to the other ranks (:func:`announce`, over the group)."""
+
+    def __init__(self, group: Any, timeout_s: float, tell: Announce = announce) -> None:
         self.size = group.size()
         self.lost: str | None = None  # why a rank's connection ended while the job ran
         self.stats: list[list[int] | None] = [None] * self.size  # each rank's last report (rank 0's unused)
@@ -117,7 +122,7 @@ class ControlServer:
         listener = socket.create_server(("0.0.0.0", 0))
         with listener:
             hello = Hello(listener.getsockname()[1], secrets.randbits(62), leader_hosts())
-            announce(group, hello)
+            tell(group, hello)
             self._peers = self._accept(listener, hello.nonce, timeout_s)
         for rank, sock in self._peers.items():
             threading.Thread(target=self._read, args=(rank, sock), name=f"mlxd-control-{rank}", daemon=True).start()
@@ -174,8 +179,7 @@ class ControlServer:
     def close(self) -> None:
         self._closing = True
         for sock in self._peers.values():
-            with contextlib.suppress(OSError):
-                sock.close()
+            _close(sock)
 
     def _read(self, rank: int, sock: socket.socket) -> None:
         try:
@@ -197,9 +201,9 @@ class ControlServer:
 class ControlClient:
     """The end of a rank other than 0: rank 0's frames in order, and this rank's counters sent back."""
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
+    def __init__(self, group: Any, timeout_s: float, hear: Announce = announce) -> None:
         self.rank = group.rank()
-        hello = announce(group, None)
+        hello = hear(group, None)
         self._sock = self._connect(hello, timeout_s)
         self._send_lock = threading.Lock()
 
@@ -243,5 +247,13 @@ class ControlClient:
             raise DistributedFault(f"rank {self.rank}: the control connection to rank 0 ended ({e})") from e
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        _close(self._sock)
+
+
+def _close(sock: socket.socket) -> None:
+    """Shut the connection down first: a thread blocked reading it wakes up (a plain close does not wake it, and
+    sends nothing to the peer while that read holds the socket)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
