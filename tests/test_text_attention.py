@@ -67,8 +67,10 @@ def test_long_prompt_logits_equal_mlx_lm(family, split):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_left_padded_batch_logits_equal_mlx_lm():
+@pytest.mark.parametrize("min_keys", [4096, 100], ids=["decode by MLX", "decode blocked"])
+def test_left_padded_batch_logits_equal_mlx_lm(monkeypatch, min_keys):
     """Two prompts of 150 and 90 tokens in one left-padded pass (as the engine batches prompts), then decode."""
+    monkeypatch.setattr("mlxd.models.text_attention.MIN_KEYS", min_keys)
     prompts = [tokens(150, seed=2), tokens(90, seed=3)]
     padding = [0, 60]
 
@@ -85,13 +87,24 @@ def test_left_padded_batch_logits_equal_mlx_lm():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
 
 
-def test_only_prompt_passes_take_the_blocked_path(monkeypatch):
+def test_only_prompt_passes_and_long_decode_steps_take_the_blocked_path(monkeypatch):
     calls = []
     real = prompt_attention.prompt_attention
     monkeypatch.setattr("mlxd.models.text_attention.prompt_attention",
                         lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
     run(swapped("llama"), [tokens(MIN_QUERIES - 1, seed=4), tokens(MIN_QUERIES, seed=5)], steps=2)
     assert calls == [MIN_QUERIES, MIN_QUERIES]  # the 16-token chunk, in each of 2 layers; not 15 nor decode
+    calls.clear()
+    monkeypatch.setattr("mlxd.models.text_attention.MIN_KEYS", 40)
+    run(swapped("llama"), [tokens(MIN_QUERIES - 1, seed=4), tokens(24, seed=5)], steps=2)
+    assert calls == [24, 24, 1, 1, 1, 1]  # decode steps over 40 and 41 keys: blocked; the 15-token chunk not
+
+
+def test_long_decode_steps_equal_mlx_lm(monkeypatch):
+    monkeypatch.setattr("mlxd.models.text_attention.MIN_KEYS", 100)
+    chunks = [tokens(120, seed=6)]
+    for a, b in zip(run(swapped("llama"), chunks, steps=4), run(tiny("llama"), chunks, steps=4), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_weights_keep_their_names():
