@@ -309,3 +309,24 @@ def test_the_openai_sdk_gets_the_float_vectors_through_its_default_base64(served
     floats = _vectors(client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS[:3]}))
     np.testing.assert_array_equal(np.array([item.embedding for item in answer.data], dtype=np.float32), floats)
     assert answer.usage.prompt_tokens == answer.usage.total_tokens > 0 and answer.model == "tiny"
+
+
+def test_a_bert_model_is_served_at_v1_embeddings(tiny_bert_dir, tmp_path):
+    from mlx_embeddings.utils import load_model
+
+    reference = load_model(tiny_bert_dir)
+    reference.set_dtype(mx.float32)
+    with app_client(write_config(tmp_path, tiny_bert_dir, model_extra='kind = "embedding"')) as (client, daemon):
+        response = client.post("/v1/embeddings", json={"model": "tiny", "input": TEXTS})
+        got = _vectors(response)
+        tokenizer = daemon.models.first.engine.tokenizer
+        for index, text in enumerate(TEXTS):
+            ids = tokenizer.encode(text)
+            expected = reference(mx.array([ids]), attention_mask=mx.ones((1, len(ids)))).text_embeds[0]
+            np.testing.assert_allclose(got[index], np.array(expected), atol=ATOL)
+        assert response.json()["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(text)) for text in TEXTS)
+        too_long = client.post("/v1/embeddings", json={"model": "tiny", "input": ["a", "word " * 70]})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input[1]"
+        chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
+                                                                                        "content": "hi"}]})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
