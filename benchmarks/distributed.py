@@ -13,6 +13,7 @@ measure as ``load.py``). On one machine with several GPUs use ``--backend nccl``
 
     python benchmarks/distributed.py --tiny qwen3 --out docs/benchmarks/distributed.md
     python benchmarks/distributed.py --model ../models/qwen3-8b --backend nccl --concurrency 1,16
+    git archive OLD | tar -x -C /tmp/old && python benchmarks/distributed.py --tiny qwen3 --mlxd-only --baseline /tmp/old
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ from mlxd.launch import local_threads  # noqa: E402
 
 
 @contextlib.contextmanager
-def serve(command: list[str], port: int, log: Path, health: str) -> Iterator[None]:
-    """A server in a process group of its own (mlx.launch and its ranks), all of it stopped afterwards."""
+def serve(command: list[str], port: int, log: Path, health: str, tree: str | None = None) -> Iterator[None]:
+    """A server in a process group of its own (mlx.launch and its ranks), all of it stopped afterwards; ``tree``:
+    the mlxd source tree it runs (its folder first on the import path; None: this one)."""
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tree,
+                                env=env)
     try:
         wait_ready(port, health, proc, log)
         yield
@@ -83,18 +87,21 @@ def mlx_lm_server(model: str, port: int, max_running: int) -> list[str]:
             str(max_running), "--prompt-concurrency", str(max_running)]
 
 
-def specs(args, tmp: Path, top: int) -> list[tuple[str, list[str], str]]:
+def specs(args, tmp: Path, top: int) -> list[tuple[str, list[str], str, str | None]]:
     # The same share of this machine's cores per rank as `mlxd launch` gives its ranks (mlxd/launch.py).
     launch = [str(Path(sys.executable).parent / "mlx.launch"), "-n", str(args.ranks), "--backend",
               args.backend, "--starting-port", str(free_port()), *local_threads(args.ranks), "--"]
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(5)]
+    group = f"mlxd, tensor-parallel {args.ranks}"
     return [
-        ("mlxd, 1 process", mlxd_command(args.model, ports[0], tmp / "one", top), "/health"),
-        (f"mlxd, tensor-parallel {args.ranks}", group_mlxd(args.model, ports[1], tmp / "group", top, args.ranks,
-                                                            args.backend), "/health"),
-        ("mlx_lm.server, 1 process", mlx_lm_server(args.model, ports[2], top), "/v1/models"),
-        (f"mlx_lm.server, mlx.launch -n {args.ranks}", [*launch, *mlx_lm_server(args.model, ports[3], top)],
-         "/v1/models"),
+        ("mlxd, 1 process", mlxd_command(args.model, ports[0], tmp / "one", top), "/health", None),
+        (group, group_mlxd(args.model, ports[1], tmp / "group", top, args.ranks, args.backend), "/health", None),
+        *([(f"{group}, baseline tree", group_mlxd(args.model, ports[4], tmp / "baseline", top, args.ranks,
+                                                  args.backend), "/health", args.baseline)] if args.baseline else []),
+        *([] if args.mlxd_only else [
+            ("mlx_lm.server, 1 process", mlx_lm_server(args.model, ports[2], top), "/v1/models", None),
+            (f"mlx_lm.server, mlx.launch -n {args.ranks}", [*launch, *mlx_lm_server(args.model, ports[3], top)],
+             "/v1/models", None)]),
     ]
 
 
@@ -112,7 +119,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="append a markdown section here (else print it)")
-    parser.add_argument("--mlxd-only", action="store_true", help="leave mlx_lm.server out (mlxd's two servers only)")
+    parser.add_argument("--mlxd-only", action="store_true", help="leave mlx_lm.server out (mlxd's servers only)")
+    parser.add_argument("--baseline", help="another mlxd source tree (an earlier commit, unpacked) whose group is "
+                                           "measured too, in the same rounds")
     args = parser.parse_args()
     with_openblas()
 
@@ -130,8 +139,9 @@ def main() -> None:
     best: dict[tuple[str, int], Result] = {}
     used = 0
     for _ in range(args.rounds):
-        for label, command, health in specs(args, tmp, max(levels))[: 2 if args.mlxd_only else None]:
-            with serve(command, port_of(command), tmp / f"{label.replace(' ', '_')}.log", health):
+        for label, command, health, tree in specs(args, tmp, max(levels)):
+            with serve(command, port_of(command), tmp / f"{label.replace(' ', '_').replace(',', '')}.log", health,
+                       tree):
                 for level in levels:
                     batch = prompts[used % len(prompts):][:level]
                     used += level
@@ -157,10 +167,13 @@ def ratios(best: dict[tuple[str, int], Result], ranks: int, levels: list[int]) -
     for level in levels:
         one, group = best[("mlxd, 1 process", level)], best[(f"mlxd, tensor-parallel {ranks}", level)]
         theirs = best.get((f"mlx_lm.server, mlx.launch -n {ranks}", level))
+        baseline = best.get((f"mlxd, tensor-parallel {ranks}, baseline tree", level))
         lines.append(f"- {level} stream(s): mlxd tensor-parallel {ranks} / mlxd one process: "
                      f"{group.tokens_per_s / one.tokens_per_s:.2f}x"
                      + (f"; / mlx_lm.server under mlx.launch: {group.tokens_per_s / theirs.tokens_per_s:.2f}x"
-                        if theirs is not None else ""))
+                        if theirs is not None else "")
+                     + (f"; / the baseline tree's group: {group.tokens_per_s / baseline.tokens_per_s:.2f}x"
+                        if baseline is not None else ""))
     return "\n".join(lines)
 
 
