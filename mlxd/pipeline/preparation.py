@@ -106,6 +106,9 @@ class Preparation:
                     (1 - _MEAN_WEIGHT) * self.mean_s + _MEAN_WEIGHT * seconds)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, outcome)
+            # A worker waiting for its next task must not keep its last one alive: ``fn`` is a pipeline's bound
+            # ``prepare``, which holds that model's engine and weights (an unloaded model would never be freed).
+            del item, loop, future, context, fn, args, flag, outcome
 
 
 def _scoped(flag: CancelFlag, fn: Callable[..., Any], args: tuple) -> Any:
