@@ -330,3 +330,14 @@ def test_a_bert_model_is_served_at_v1_embeddings(tiny_bert_dir, tmp_path):
         chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
                                                                                         "content": "hi"}]})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
+
+
+def test_embeddings_requests_are_counted_in_the_metrics(tiny_qwen3_dir, tmp_path):
+    with app_client(write_config(tmp_path, tiny_qwen3_dir, model_extra='kind = "embedding"')) as (client, _):
+        ids = [[5, 6, 7], [8, 9]]
+        assert client.post("/v1/embeddings", json={"model": "tiny", "input": ids}).status_code == 200
+        assert client.post("/v1/embeddings", json={"model": "tiny", "input": []}).status_code == 400
+        text = client.get("/metrics").text
+    assert 'mlxd_requests_total{endpoint="embeddings",outcome="ok"} 1.0' in text, text
+    assert 'mlxd_requests_total{endpoint="embeddings",outcome="error_400"} 1.0' in text, text
+    assert "mlxd_prompt_tokens_total 5.0" in text, text

@@ -21,9 +21,10 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
 from mlxd.api.body import StrictJSON
+from mlxd.api.metrics import Metrics
 from mlxd.daemon import Daemon
 from mlxd.engine.embedding import Embedded, EmbeddingRequest
-from mlxd.errors import RequestError
+from mlxd.errors import MlxdError, RequestError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.api.embeddings")
@@ -44,22 +45,36 @@ class EmbeddingsController(Controller):
     tags = ["OpenAI"]
 
     @post("/embeddings", status_code=200, dto=StrictJSON[EmbeddingsRequest], return_dto=None)
-    async def embeddings(self, data: JSONBody[EmbeddingsRequest], daemon: NamedDependency[Daemon]) -> Response:
+    async def embeddings(self, data: JSONBody[EmbeddingsRequest], daemon: NamedDependency[Daemon],
+                         metrics: NamedDependency[Metrics]) -> Response:
         """Vectors for each input, in input order, with the tokens they used."""
-        started = time.monotonic()
-        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
-        name, model_config, engine = served.name, served.config.model, served.engine
-        if model_config.kind != "embedding":
-            raise RequestError(f"model {name!r} is a chat model, not an embedding model (kind = \"embedding\" in "
-                               "its config): use /v1/chat/completions", param="model")
-        request = embedding_request(data, f"embd-{uuid.uuid4().hex[:24]}", model_config.dimensions_allowed,
-                                    engine.hidden_size)
-        embedded = await engine.embed(request)
-        body = await asyncio.to_thread(render, embedded, name, data.encoding_format)
-        log.info("request", request_id=request.request_id, endpoint="embeddings", model=name,
-                 num_inputs=len(embedded.vectors), prompt_tokens=embedded.num_tokens,
-                 dimensions=int(embedded.vectors.shape[-1]), seconds=round(time.monotonic() - started, 4))
+        try:
+            body, num_tokens = await _embed(data, daemon)
+        except MlxdError as e:  # counted and logged, then answered by the API's error handlers
+            metrics.requests.labels("embeddings", f"error_{e.status}").inc()
+            log.info("request", endpoint="embeddings", model=data.model[:64], outcome=f"error {e.status}: {e.message}")
+            raise
+        metrics.requests.labels("embeddings", "ok").inc()
+        metrics.prompt_tokens.inc(num_tokens)
         return Response(content=body, media_type="application/json")
+
+
+async def _embed(data: EmbeddingsRequest, daemon: Daemon) -> tuple[bytes, int]:
+    """The response body and the tokens it used; its log line written."""
+    started = time.monotonic()
+    served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
+    name, model_config, engine = served.name, served.config.model, served.engine
+    if model_config.kind != "embedding":
+        raise RequestError(f"model {name!r} is a chat model, not an embedding model (kind = \"embedding\" in "
+                           "its config): use /v1/chat/completions", param="model")
+    request = embedding_request(data, f"embd-{uuid.uuid4().hex[:24]}", model_config.dimensions_allowed,
+                                engine.hidden_size)
+    embedded = await engine.embed(request)
+    body = await asyncio.to_thread(render, embedded, name, data.encoding_format)
+    log.info("request", request_id=request.request_id, endpoint="embeddings", model=name,
+             num_inputs=len(embedded.vectors), prompt_tokens=embedded.num_tokens,
+             dimensions=int(embedded.vectors.shape[-1]), seconds=round(time.monotonic() - started, 4))
+    return body, embedded.num_tokens
 
 
 def embedding_request(data: EmbeddingsRequest, request_id: str, dimensions_allowed: bool,
