@@ -341,3 +341,33 @@ def test_embeddings_requests_are_counted_in_the_metrics(tiny_qwen3_dir, tmp_path
     assert 'mlxd_requests_total{endpoint="embeddings",outcome="ok"} 1.0' in text, text
     assert 'mlxd_requests_total{endpoint="embeddings",outcome="error_400"} 1.0' in text, text
     assert "mlxd_prompt_tokens_total 5.0" in text, text
+
+
+def test_an_idle_embedding_model_is_unloaded_and_its_memory_given_back(tmp_path, tiny_model_dir, tiny_qwen3_dir):
+    import time
+    import weakref
+
+    config = tmp_path / "two.toml"
+    config.write_text(f"""[models.chat]
+source = "{tiny_model_dir}"
+[models.embed]
+source = "{tiny_qwen3_dir}"
+kind = "embedding"
+idle_unload_s = 1
+[logging]
+format = "json"
+""")
+    with app_client(config) as (client, daemon):
+        first = _vectors(client.post("/v1/embeddings", json={"model": "embed", "input": TEXTS}))
+        slot = daemon.models.resolve("embed")
+        weights, engine = slot.weight_bytes, weakref.ref(slot.engine)
+        loaded = mx.get_active_memory()
+        deadline = time.monotonic() + 15
+        while slot.state != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert slot.state == "unloaded"
+        time.sleep(0.2)  # the engine thread is joined and the memory freed after the state turns
+        assert engine() is None  # nothing keeps the engine (and its model) alive
+        assert loaded - mx.get_active_memory() >= weights > 100_000
+        again = _vectors(client.post("/v1/embeddings", json={"model": "embed", "input": TEXTS}))
+        np.testing.assert_array_equal(again, first)
