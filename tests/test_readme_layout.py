@@ -52,6 +52,8 @@ def test_the_path_starts_at_the_chat_pipeline_with_its_stages_in_order():
 # from chat.toml in at most three hops: the stop cut, the tool-call parse, the 429, the prefix-cache lookup; the
 # vision tower is further, see the README's text below the block).
 @pytest.mark.parametrize(("caller", "calls"), [
+    ("api/respond.py:prepare", [".prepare(job, flag, until)"]),
+    ("model_slot.py:ModelSlot.prepare", ["raise Overloaded(", "self.pipeline.prepare"]),
     ("pipeline/stages/decode.py:Decode.stream", ["self.engine.submit("]),
     ("engine/engine.py:BatchedEngine.submit", ["raise Overloaded(", "Accept("]),
     ("engine/core.py:EngineCore.__init__", ["Accept: self._accept"]),
