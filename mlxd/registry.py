@@ -80,17 +80,20 @@ class ModelRegistry:
         if self.gate is not None:
             self.gate()
         slot = self.resolve(requested)
-        if slot.state != "ready":
+        for _ in range(3):  # another request's load may unload it again before this one resumes
+            if slot.state == "ready":
+                slot.lease()
+                return slot
             await self._load_on_request(slot)
-        slot.lease()
-        return slot
+        raise NotReady(f"model {slot.name!r} was unloaded again (for other models) while this request waited for "
+                       "it; retry shortly", retry_after=1.0)
 
     async def _load_on_request(self, slot: ModelSlot) -> None:
         if slot.loading is None:
             slot.loading = asyncio.ensure_future(self._load(slot))
             slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
         await asyncio.shield(slot.loading)
-        if slot.state != "ready":
+        if slot.state == "failed":
             raise NotReady(f"model {slot.name!r} could not be loaded: {slot.error}", retry_after=5.0)
 
     async def _load(self, slot: ModelSlot) -> None:
@@ -109,7 +112,8 @@ class ModelRegistry:
         for victim in sorted(self._evictable(slot), key=lambda s: s.last_used):
             if room.fits:
                 break
-            await self.unload(victim, reason="room", for_model=slot.name)
+            if victim.state == "ready" and not victim.busy():  # still, after the previous unload's wait
+                await self.unload(victim, reason="room", for_model=slot.name)
             room = self.room_for(slot)
         if not room.fits:
             busy = [s.name for s in self.slots if s is not slot and s.holds_memory]
