@@ -371,3 +371,40 @@ format = "json"
         assert loaded - mx.get_active_memory() >= weights > 100_000
         again = _vectors(client.post("/v1/embeddings", json={"model": "embed", "input": TEXTS}))
         np.testing.assert_array_equal(again, first)
+
+
+class _BrittleTokenizer:
+    """The real tokenizer, except that it raises on one text (as a tokenizer can on input it cannot take)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        if text == "boom":
+            raise ValueError("cannot tokenize")
+        return self.tokenizer.encode(text)
+
+
+def test_a_request_that_fails_fails_alone_and_the_engine_goes_on(tiny_qwen3_dir):
+    from mlxd.engine.embedding import EmbeddingEngine, EmbeddingRequest
+    from mlxd.engine.pooling import DecoderPool
+    from mlxd.errors import EngineError
+
+    model, tokenizer = _load(tiny_qwen3_dir)
+    engine = EmbeddingEngine(DecoderPool(model), _BrittleTokenizer(tokenizer), name="tiny", pooling="auto",
+                             normalize=True, truncate=False, context_length=64, max_waiting=16, gather_s=0.05)
+    engine.start()
+    try:
+        async def both() -> list:
+            requests = [EmbeddingRequest(request_id="bad", texts=["a", "boom"]),
+                        EmbeddingRequest(request_id="good", texts=[TEXTS[0]])]
+            return await asyncio.gather(*map(engine.embed, requests), return_exceptions=True)
+
+        bad, good = asyncio.run(both())
+        assert isinstance(bad, EngineError) and bad.status == 500, bad
+        np.testing.assert_allclose(good.vectors[0], _direct(model, tokenizer.encode(TEXTS[0]), "last"), atol=ATOL)
+        assert engine.failure is None and engine.totals["num_failed"] == 1 and engine.num_active == 0
+        again = asyncio.run(engine.embed(EmbeddingRequest(request_id="again", texts=[TEXTS[0]])))
+        np.testing.assert_array_equal(again.vectors, good.vectors)
+    finally:
+        engine.stop()

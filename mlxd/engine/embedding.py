@@ -82,7 +82,7 @@ class EmbeddingEngine:
         self.on_failure: Any = None
         self.totals = {"num_requests": 0, "num_inputs": 0, "num_tokens": 0, "num_passes": 0, "num_failed": 0}
         self._pending: deque[_Pending] = deque()
-        self._num_serving = 0
+        self._serving: list[str] = []  # the request ids of the batch being served
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -115,7 +115,7 @@ class EmbeddingEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._pending) + self._num_serving
+        return len(self._pending) + len(self._serving)
 
     def retry_after_s(self) -> float:
         return 1.0
@@ -127,7 +127,7 @@ class EmbeddingEngine:
         with self._wake:
             waiting = [{"request_id": item.request.request_id} for item in self._pending]
         return {"kind": "embedding", "pooling": self.pooling, "normalize": self.normalize,
-                "running": [{}] * self._num_serving, "waiting": waiting,
+                "running": [{"request_id": request_id} for request_id in self._serving], "waiting": waiting,
                 "limits": {"max_pass_rows": MAX_PASS_ROWS, "max_pass_tokens": self.max_pass_tokens,
                            "max_waiting": self.max_waiting, "context_length": self.context_length},
                 "totals": dict(self.totals),
@@ -206,7 +206,7 @@ class EmbeddingEngine:
             if self._stopping:
                 return None
             batch, self._pending = list(self._pending), deque()
-            self._num_serving = len(batch)
+            self._serving = [item.request.request_id for item in batch]
             return batch
 
     def _serve(self, batch: list[_Pending]) -> None:
@@ -217,6 +217,9 @@ class EmbeddingEngine:
                 item.rows = self._rows(item.request)
             except MlxdError as e:
                 item.error = e
+            except Exception as e:  # noqa: BLE001 - this request fails (500), logged; the engine goes on
+                log.exception("embedding_tokenize_failed", request_id=item.request.request_id)
+                item.error = EngineError(f"the inputs could not be tokenized: {type(e).__name__}")
         ready = [item for item in batch if item.error is None]
         try:
             self._pool(ready)
@@ -226,7 +229,7 @@ class EmbeddingEngine:
                 item.error = EngineError(f"the embedding pass failed: {type(e).__name__}")
         for item in batch:
             self._finish(item)
-        self._num_serving = 0
+        self._serving = []
         log.debug("embedding_batch", num_requests=len(batch), seconds=round(time.monotonic() - started, 4))
 
     def _rows(self, request: EmbeddingRequest) -> list[list[int]]:
