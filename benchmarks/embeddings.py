@@ -141,8 +141,8 @@ def table(results: list[tuple[str, dict[str, float], int]], args: argparse.Names
     for label, seconds, num_tokens in results:
         for name, value in seconds.items():
             lines.append(f"| {label} | {num_tokens} | {name} | {value:.4f} | {NUM_TEXTS / value:,.0f} |")
-    lines += ["", "vllm-mlx's `--embedding-model` was not measured: it needs macOS (Metal); on a Mac run it beside "
-              "these rows.", END]
+    lines += ["", "Not measured here: vllm-mlx's `--embedding-model`, which serves mlx-embeddings models (BERT, "
+              "XLM-RoBERTa, ModernBERT) only, so it has no Qwen3 row to set beside these.", END]
     return "\n".join(lines)
 
 
