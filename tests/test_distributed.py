@@ -196,26 +196,23 @@ def test_killing_rank_1_mid_stream_fails_the_request_and_ends_the_job(tiny_qwen3
 # ---- in process: the watchdog, the message format, the config ----
 
 class StuckChannel:
-    """A channel whose exchanges block once ``stuck`` is set (a collective with a peer that is gone), or raise as a
-    collective does when the peer's connection breaks (``broken``)."""
+    """A channel whose step collective (the shared tokens) blocks once ``stuck`` is set, as with a peer that is
+    gone; or raises, as a ring collective does when the peer's connection breaks (``broken``); or blocks after the
+    peer's control connection ended (``lost``)."""
 
     rank, size = 0, 2
 
-    def __init__(self, broken: bool = False) -> None:
-        self.broken = broken
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
         self.stuck = threading.Event()
         self.released = threading.Event()
-
-    lost = None
+        self.lost = None
 
     def connect(self, timeout_s):
         pass
 
     def send(self, message):
-        if self.stuck.is_set():
-            if self.broken:
-                raise RuntimeError("[ring] Send failed: connection reset by peer")
-            self.released.wait()
+        pass
 
     def wait_reported(self, timeout_s):
         pass
@@ -227,21 +224,29 @@ class StuckChannel:
         pass
 
     def share_tokens(self, tokens):
+        if self.stuck.is_set():
+            if self.mode == "broken":
+                raise RuntimeError("[ring] Send failed: connection reset by peer")
+            if self.mode == "lost":
+                self.lost = "rank 1's control connection to rank 0 ended (the connection was closed)"
+            self.released.wait()
         return tokens
 
 
-@pytest.mark.parametrize(("broken", "told", "reason"), [
-    (False, "waited more than 1 s for the group", "a rank died or hangs"),
-    (True, "RuntimeError on rank 0's engine thread, in a group of 2 ranks", "may have died or lost its connection"),
+@pytest.mark.parametrize(("mode", "timeout", "told", "reason"), [
+    ("blocked", 1.0, "waited more than 1 s for the group", "a rank died or hangs"),
+    ("broken", 30.0, "on rank 0's engine thread, in a group of 2 ranks", "may have died or lost its connection"),
+    # Known lost (its control connection ended): a second, not step_timeout_s.
+    ("lost", 60.0, "rank 1's control connection to rank 0 ended", "rank 1's control connection"),
 ])
-def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, broken, told, reason):
+def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, mode, timeout, told, reason):
     # A dead peer either blocks rank 0's collective (the watchdog ends the job) or makes it raise; either way the
     # clients and the job's owner are told that the group broke.
     from mlx_lm import load
 
     model, _ = load(str(tiny_qwen3_dir))
-    channel = StuckChannel(broken)
-    settings = DistributedConfig(backend="ring", tensor_parallel=2, step_timeout_s=1.0, heartbeat_s=0.2)
+    channel = StuckChannel(mode)
+    settings = DistributedConfig(backend="ring", tensor_parallel=2, step_timeout_s=timeout, heartbeat_s=0.2)
     engine = make_leader_engine(model, EngineConfig(max_running=2, warmup_tokens=1), channel=channel,
                                 settings=settings)
     failures: list[str] = []
