@@ -67,3 +67,36 @@ def test_without_a_parser_reading_them_special_markers_stay_out_of_content(tiny_
     job = Job(request_id="q", model="tiny", prompt="x")
     events = asyncio.run(run([detokenize], job, tokens))
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == 'Sure.{"a": 1}'
+
+
+def test_a_call_in_another_format_is_recovered_through_the_stage(tiny_model_dir):
+    """The stage feeds the configured parser (Qwen3-Coder's XML here) and recovers a Hermes JSON call from what it
+    leaves as content, as FallbackToolParser does on its own: same content, same call, finish reason tool_calls."""
+    from mlxd.pipeline.parsers.registry import tool_parser_for
+    from mlxd.pipeline.parsers.tools.fallback import FallbackToolParser
+
+    _, ctx = context(tiny_model_dir)
+    parse = Parse(convert({"tool_parser": "qwen3_coder", "reasoning_parser": "none"}, ParseConfig, "t"))
+    parse.warm_up(ctx)
+    text = 'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"q": "mlx"}}\n</tool_call>'
+    job = Job(request_id="f", model="tiny", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+
+    async def content():
+        for i in range(0, len(text), 7):
+            yield ContentDelta(text[i : i + 7])
+        yield Done(finish_reason="stop", num_prompt_tokens=0, num_completion_tokens=0)
+
+    async def collect():
+        return [event async for event in parse.stream(job, content())]
+
+    events = asyncio.run(collect())
+    alone = FallbackToolParser(tool_parser_for("qwen3_coder", None)(TOOLS), TOOLS)
+    expected = [e for i in range(0, len(text), 7) for e in alone.feed(text[i : i + 7])] + alone.finish()
+
+    def summary(evs):
+        calls = [e for e in evs if isinstance(e, ToolCallDelta)]
+        return ("".join(e.text for e in evs if isinstance(e, ContentDelta)), [c.name for c in calls if c.name],
+                "".join(c.arguments for c in calls))
+
+    assert summary(events) == summary(expected) == ("Let me look.\n", ["search"], '{"q": "mlx"}')
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "tool_calls"

@@ -96,7 +96,7 @@ class Parse(Stage):
         reasoning, tools = (self._reasoning(job), self._tools(job)) if job.messages is not None else (None, None)
         if reasoning is None and tools is None:
             return events
-        return _Splitter(reasoning, tools, single_call=_single_call(job)).run(events)
+        return _Splitter(reasoning, tools, self._recovery(job, tools), single_call=_single_call(job)).run(events)
 
     def _reasoning(self, job: Job) -> Any:
         cls = self.reasoning_cls
@@ -105,11 +105,13 @@ class Parse(Stage):
     def _tools(self, job: Job) -> Any:
         if self.tool_cls is None or not (job.tools or self.tool_cls is HarmonyParser):
             return None
-        parser = self.tool_cls(job.tools)
-        # Calls in another known format are recovered, unless the content is meant to be JSON (response_format).
-        if job.tools and job.response_format is None and self.tool_cls not in (HarmonyParser, GenericToolParser):
-            return FallbackToolParser(parser, job.tools)
-        return parser
+        return self.tool_cls(job.tools)
+
+    def _recovery(self, job: Job, parser: Any) -> FallbackToolParser | None:
+        """Calls in another known format are recovered, unless the content is meant to be JSON (response_format)."""
+        if parser is None or not job.tools or job.response_format is not None:
+            return None
+        return None if self.tool_cls in (HarmonyParser, GenericToolParser) else FallbackToolParser(parser, job.tools)
 
 
 def _single_call(job: Job) -> bool:
@@ -118,11 +120,13 @@ def _single_call(job: Job) -> bool:
 
 
 class _Splitter:
-    """Content through the reasoning parser, then what stays content through the tool parser. With
+    """Content through the reasoning parser, then what stays content through the tool parser (``tools``, the
+    model's format) and, with ``recovery``, the calls in other formats in what that parser leaves as content. With
     ``single_call``, calls after the first are dropped (their markup never reaches content either)."""
 
-    def __init__(self, reasoning: Any, tools: Any, single_call: bool = False) -> None:
-        self.reasoning, self.tools, self.single_call = reasoning, tools, single_call
+    def __init__(self, reasoning: Any, tools: Any, recovery: FallbackToolParser | None = None,
+                 single_call: bool = False) -> None:
+        self.reasoning, self.tools, self.recovery, self.single_call = reasoning, tools, recovery, single_call
 
     async def run(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """``events`` with their content split: the reasoning parser's pieces first, then what stays content
@@ -138,20 +142,31 @@ class _Splitter:
                     continue
                 for piece in pieces:
                     if self.tools is not None and isinstance(piece, ContentDelta):
-                        for out in self._allowed(self.tools.feed(piece.text)):  # the tool-call parse
+                        for out in self._calls(self.tools.feed(piece.text)):  # the tool-call parse
                             yield out
                     elif not isinstance(piece, ContentDelta) or piece.text:
                         yield piece
                 if isinstance(event, Done):
-                    for out in self._allowed(self.tools.finish() if self.tools else []):
+                    for out in self._rest():
                         yield out
                     yield self.done(event)
                     return
 
     def done(self, done: Done) -> Done:
-        if self.tools is not None and self.tools.num_calls and done.finish_reason == "stop":
+        counter = self.recovery if self.recovery is not None else self.tools
+        if counter is not None and counter.num_calls and done.finish_reason == "stop":
             return msgspec.structs.replace(done, finish_reason="tool_calls")
         return done
+
+    def _rest(self) -> list[Any]:
+        """What the tool parser (and the recovery) still hold at the end of the stream."""
+        if self.recovery is not None:
+            return self._allowed(self.recovery.finish())  # the tool parser's rest, routed, then the fallback's
+        return self._allowed(self.tools.finish() if self.tools is not None else [])
+
+    def _calls(self, events: list[Any]) -> list[Any]:
+        """The tool parser's events, through the recovery of other formats, less the calls not allowed."""
+        return self._allowed(self.recovery.route(events) if self.recovery is not None else events)
 
     def _allowed(self, events: list[Any]) -> list[Any]:
         if not self.single_call:

@@ -58,15 +58,17 @@ class FallbackToolParser(ToolParser):
         self._indexes: dict[tuple[int, int], int] = {}  # (which parser, its index) -> the response's index
 
     def feed(self, text: str) -> list[Event]:
-        return self._route(self.primary.feed(text))
+        return self.route(self.primary.feed(text))
 
     def finish(self) -> list[Event]:
-        out = self._route(self.primary.finish())
+        out = self.route(self.primary.finish())
         if self.fallback is not None:
             out += self._number(1, self.fallback.finish())
         return out
 
-    def _route(self, events: list[Event]) -> list[Event]:
+    def route(self, events: list[Event]) -> list[Event]:
+        """``primary``'s events, with the content it passed on read by the fallback while it has found no call
+        (for a caller that feeds ``primary`` itself; :meth:`feed` is ``route(primary.feed(text))``)."""
         out: list[Event] = []
         for event in events:
             if isinstance(event, ToolCallDelta):
