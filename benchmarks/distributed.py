@@ -52,7 +52,7 @@ from mlxd.launch import local_threads  # noqa: E402
 def serve(command: list[str], port: int, log: Path, health: str, tree: str | None = None) -> Iterator[None]:
     """A server in a process group of its own (mlx.launch and its ranks), all of it stopped afterwards; ``tree``:
     the mlxd source tree it runs (its folder first on the import path; None: this one)."""
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))} if tree else None
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tree,
                                 env=env)
