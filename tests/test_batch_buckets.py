@@ -162,3 +162,51 @@ def test_padded_batches_with_image_rows_equal_their_solo_outputs(tiny_vlm):
     assert {batch for batch, length in model.calls if length == 1} <= set(bucket_widths(16))
     assert (16, 1) in model.calls  # 11 rows decoded 16 wide
     assert together == solo
+
+
+def test_speculative_rows_join_and_leave_a_padded_batch_with_penalty_rows(tiny_model_dir, tiny_models_root):
+    """Speculative rows (a drafter that is often wrong) run unpadded; once the last leaves, the plain rows run
+    padded again (3 rows, 4 wide), their penalty group's windows rolling forward, and every row equals its solo
+    plain output."""
+    from mlxd.config.schema import SpeculativeConfig
+    from mlxd.engine.base import Plain, Speculative
+    from mlxd.engine.drafters.draft_model import DraftModelDrafter
+    from tests.support.tiny import tiny_model_cached
+
+    model, tokenizer = load(str(tiny_model_dir))
+    unrelated = load(str(tiny_model_cached(tiny_models_root, "llama", seed=7)))[0]
+    sampling = SamplingParams(logit_bias={0: -100.0, 2: -100.0}, repetition_penalty=1.3)
+    texts = ["Once upon a time", "def fibonacci(n):", "Hello", "The quick brown fox", "Rain fell", "1 2 3 4"]
+
+    def requests(tag: str, speculative: bool) -> list[EngineRequest]:
+        return [EngineRequest(request_id=f"{tag}-{i}", prompt=tokenizer.encode(text), sampling=sampling,
+                              max_tokens=8 + 4 * i if i % 2 == 0 else 34,
+                              decode=Speculative(drafter="draft_model", k=3) if speculative and i % 2 == 0
+                              else Plain())
+                for i, text in enumerate(texts)]
+
+    def serve(engine: BatchedEngine, batch: list[EngineRequest]) -> list[list[int]]:
+        async def together():
+            return await asyncio.gather(*(collect_tokens(engine, r) for r in batch))
+
+        return asyncio.run(together())
+
+    common = dict(max_running=8, prefill_chunk=64, warmup_tokens=1, prefix_cache_bytes=0, batch_buckets="on")
+    plain = BatchedEngine(model, EngineConfig(**common))
+    plain.start()
+    try:
+        want = [serve(plain, [r])[0] for r in requests("alone", speculative=False)]
+    finally:
+        plain.stop()
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(**common, speculative=SpeculativeConfig(drafter="draft_model")),
+                           drafter=DraftModelDrafter(unrelated))
+    engine.start()
+    try:
+        counting.calls.clear()
+        got = serve(engine, requests("mixed", speculative=True))
+    finally:
+        engine.stop()
+    assert got == want
+    decode = [c.batch for c in counting.calls if c.length == 1]
+    assert 4 in decode and 3 not in decode[decode.index(4):]  # back to padded once the speculative rows left
