@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine.speculative.step import SpeculativeStep
 from mlxd.engine.step.buckets import Buckets
@@ -110,7 +111,7 @@ class DecodeBatch:
             real, current = list(range(len(self.rows))) + list(range(joined, joined + len(rows))), joined + len(rows)
         self.rows.extend(rows)
         self._rows_changed()
-        self._arrange(real, current)
+        self._arrange(real, current, trim=False)
 
     def _rows_changed(self) -> None:
         self._positions = None  # rebuilt at the next step, after the filler is known
@@ -163,17 +164,26 @@ class DecodeBatch:
             self._arrange(keep, current)
         self.inputs = self.inputs[mx.array(keep)]
 
-    def _arrange(self, real: list[int], current: int) -> None:
+    def _arrange(self, real: list[int], current: int, trim: bool = True) -> None:
         """Make the batched cache (``current`` rows now) hold the rows at indices ``real`` (in that order), then
         the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
-        Speculative batches are not padded: their verify passes take any width."""
+        Speculative batches are not padded: their verify passes take any width. ``trim``: through the layers'
+        ``filter``, which also drops the left padding every row has (rows left), reading it back from the device
+        once a layer; else (rows joined: ``extend`` aligned them already) attention layers gather their state
+        without that read."""
         width = len(real)
         if self.buckets is not None and self.buckets.decode and not self.speculative:
             width = self.buckets.width(width)
         indices = real + [real[0]] * (width - len(real))
         if indices != list(range(current)):
+            rows = mx.array(indices)
             for c in self.cache:
-                c.filter(mx.array(indices))
+                if trim or type(c) is not BatchKVCache:
+                    c.filter(rows)
+                else:
+                    keys, values, offset, left_padding, filled = c.state
+                    c.state = (keys[rows] if keys is not None else None, values[rows] if values is not None else None,
+                               offset[rows], left_padding[rows], filled)
         self._filler = width - len(real)
 
     def step(self) -> list[list[int]]:
