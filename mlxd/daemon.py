@@ -268,7 +268,8 @@ class Daemon:
     def health(self) -> tuple[int, dict[str, Any], float | None]:
         """``/health``: (status code, body, seconds for ``Retry-After``); 200 only while serving."""
         self._notice_engine_failure()
-        body: dict[str, Any] = {"status": self.state, "model": self.name}
+        body: dict[str, Any] = {"status": self.state, "model": self.name,
+                                "models": {slot.name: slot.state for slot in self.models.slots}}
         if self.error:
             body["error"] = self.error
         if self._engines() and self.state in ("ready", "draining"):

@@ -79,6 +79,8 @@ def test_each_model_answers_as_it_does_alone_and_the_second_loads_on_request(tmp
     assert solo["a"] != solo["b"]  # the two models differ, so a request that reached the wrong one would show
     with app_client(two_models(tmp_path, tiny_model_dir, second_model_dir)) as (client, daemon):
         assert states(client) == {"a": "ready", "b": "unloaded"}
+        health = client.get("/health")  # serving once the models loaded at start are ready
+        assert health.status_code == 200 and health.json()["models"] == {"a": "ready", "b": "unloaded"}
         status, body = complete(client, "a")
         assert status == 200 and body["choices"][0]["text"] == solo["a"] and body["model"] == "a"
         assert states(client)["b"] == "unloaded"
