@@ -5,9 +5,11 @@
 
 For each model, side by side in one run and in interleaved rounds: mlxd's embedding engine given one request of 64
 inputs, and 64 requests of one input sent at once (they share passes); the same engine given the 64 one request at a
-time (no batching); and mlx-lm's body run directly in one padded pass of 64 (the ceiling: no engine, no
+time (no batching); and the model run directly in one padded pass of 64 (the ceiling: no engine, no
 tokenizer). ``--build DIR`` first writes random-weight Qwen3 folders of the ``tiny`` and ``small`` shapes of
-``benchmarks/random_model.py`` under DIR (with its word-level tokenizer, so each text is a run of ``tN`` words). The
+``benchmarks/random_model.py`` under DIR (with its word-level tokenizer, so each text is a run of ``tN`` words), and
+with mlx-embeddings installed a random BERT of bge-small's shape (served through mlx-embeddings; vllm-mlx's
+``--embedding-model`` can serve the same folder). The
 model loads as mlxd loads it (``[model] dtype = "auto"``: float32 on the Linux CPU); on Linux, OpenBLAS is preloaded
 first, as ``mlxd serve`` does. ``--out`` replaces this script's section of the markdown document.
 """
@@ -53,11 +55,41 @@ def reexec_with_openblas(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 
+# bge-small-en-v1.5's shape (a BERT encoder, served through mlx-embeddings).
+BERT_SMALL = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 4096, "hidden_size": 384,
+              "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 1536,
+              "max_position_embeddings": 512, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0}
+
+
 def build_models(folder: Path) -> list[Path]:
+    """Random Qwen3 folders (tiny, small) and, with mlx-embeddings installed, a random BERT of bge-small's shape."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from random_model import build
 
-    return [build(folder / f"qwen3-{preset}", preset, 4096, "float32") for preset in ("tiny", "small")]
+    folders = [build(folder / f"qwen3-{preset}", preset, 4096, "float32") for preset in ("tiny", "small")]
+    try:
+        folders.append(build_bert(folder / "bert-bge-small"))
+    except ImportError:
+        print("mlx-embeddings is not installed: no BERT folder")  # noqa: T201 - the benchmark's output
+    return folders
+
+
+def build_bert(out: Path) -> Path:
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.models import bert
+    from random_model import write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(0)
+    model = bert.Model(bert.ModelArgs.from_dict(BERT_SMALL))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(BERT_SMALL, indent=2))
+    write_tokenizer(out, BERT_SMALL["vocab_size"])
+    return out
 
 
 def make_texts(words: str, vocab: int) -> list[str]:
@@ -72,10 +104,11 @@ def make_texts(words: str, vocab: int) -> list[str]:
 def load_engine(folder: Path, device: str, pooling: str) -> Any:
     from mlxd.config.schema import EngineConfig, ModelConfig
     from mlxd.engine.embedding import make_embedding_engine
+    from mlxd.models.encoder import encoder_type, load_encoder
     from mlxd.models.load import load
 
     config = ModelConfig(source=str(folder), kind="embedding", device=device, pooling=pooling)
-    loaded = load(config)
+    loaded = load_encoder(config) if encoder_type(config) else load(config)
     engine = make_embedding_engine(config, EngineConfig(max_waiting=NUM_TEXTS), loaded, folder.name)
     engine.start()
     return engine, loaded
@@ -109,7 +142,7 @@ def measure(engine: Any, loaded: Any, texts: list[str], pooling: str) -> dict[st
         seconds[name] = time.perf_counter() - started
     started = time.perf_counter()
     pool(rows, pooling, True)  # on this thread's default stream: the model's device
-    seconds["mlx-lm body, one pass (no engine)"] = time.perf_counter() - started
+    seconds["the model alone, one pass (no engine)"] = time.perf_counter() - started
     return seconds
 
 
@@ -118,12 +151,12 @@ def run_model(folder: Path, args: argparse.Namespace) -> tuple[str, dict[str, fl
     try:
         texts = make_texts(args.words, engine.vocab_size)
         num_tokens = sum(len(loaded.tokenizer.encode(text)) for text in texts)
-        measure(engine, loaded, texts, args.pooling)  # first shapes met: not counted
+        measure(engine, loaded, texts, engine.pooling)  # first shapes met: not counted
         samples: dict[str, list[float]] = {}
         for _ in range(args.rounds):
-            for name, value in measure(engine, loaded, texts, args.pooling).items():
+            for name, value in measure(engine, loaded, texts, engine.pooling).items():
                 samples.setdefault(name, []).append(value)
-        label = f"{folder.name} (hidden {engine.hidden_size}, {len(loaded.model.layers)} layers, {loaded.dtype})"
+        label = f"{folder.name} (hidden {engine.hidden_size}, {loaded.dtype}, pooling {engine.pooling})"
         return label, {name: statistics.median(values) for name, values in samples.items()}, num_tokens
     finally:
         engine.stop()
@@ -133,7 +166,7 @@ def table(results: list[tuple[str, dict[str, float], int]], args: argparse.Names
     import mlx.core as mx
 
     lines = [START, "## Embeddings per second (`benchmarks/embeddings.py`)", "",
-             f"{NUM_TEXTS} short texts ({args.words.replace(',', '-')} words), pooling `{args.pooling}`, normalized; "
+             f"{NUM_TEXTS} short texts ({args.words.replace(',', '-')} words), normalized; "
              f"median of {args.rounds} rounds. Device {mx.default_device()}, {platform.machine()}, "
              f"{os.cpu_count()} CPUs, load average {_load():.1f}, MLX {mx.__version__}. Command: `python benchmarks/embeddings.py "
              f"{' '.join(sys.argv[1:])}`.", "",
@@ -142,7 +175,8 @@ def table(results: list[tuple[str, dict[str, float], int]], args: argparse.Names
         for name, value in seconds.items():
             lines.append(f"| {label} | {num_tokens} | {name} | {value:.4f} | {NUM_TEXTS / value:,.0f} |")
     lines += ["", "Not measured here: vllm-mlx's `--embedding-model`, which serves mlx-embeddings models (BERT, "
-              "XLM-RoBERTa, ModernBERT) only, so it has no Qwen3 row to set beside these.", END]
+              "XLM-RoBERTa, ModernBERT) only: set it beside the BERT row (its folder is what `--build` writes).",
+              END]
     return "\n".join(lines)
 
 
