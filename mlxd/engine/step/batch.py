@@ -167,23 +167,14 @@ class DecodeBatch:
     def _arrange(self, real: list[int], current: int, trim: bool = True) -> None:
         """Make the batched cache (``current`` rows now) hold the rows at indices ``real`` (in that order), then
         the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
-        Speculative batches are not padded: their verify passes take any width. ``trim``: through the layers'
-        ``filter``, which also drops the left padding every row has (rows left), reading it back from the device
-        once a layer; else (rows joined: ``extend`` aligned them already) attention layers gather their state
-        without that read."""
+        Speculative batches are not padded: their verify passes take any width. ``trim`` (rows left): also drop
+        the left padding every remaining row has (:func:`_gather`)."""
         width = len(real)
         if self.buckets is not None and self.buckets.decode and not self.speculative:
             width = self.buckets.width(width)
         indices = real + [real[0]] * (width - len(real))
         if indices != list(range(current)):
-            rows = mx.array(indices)
-            for c in self.cache:
-                if trim or type(c) is not BatchKVCache:
-                    c.filter(rows)
-                else:
-                    keys, values, offset, left_padding, filled = c.state
-                    c.state = (keys[rows] if keys is not None else None, values[rows] if values is not None else None,
-                               offset[rows], left_padding[rows], filled)
+            _gather(self.cache, mx.array(indices), trim)
         self._filler = width - len(real)
 
     def step(self) -> list[list[int]]:
@@ -368,6 +359,30 @@ class DecodeBatch:
         for key in [key for key, members in groups.items() if len(members) < 2]:
             alone += groups.pop(key)
         return groups, sorted(alone)
+
+def _gather(cache: list[Any], rows: mx.array, trim: bool) -> None:
+    """Keep the batched cache's ``rows`` (in that order, repeats allowed), as mlx-lm's ``filter`` does, and with
+    ``trim`` drop the left padding they all have. ``filter`` reads that padding back from the device in every layer
+    (36 waits for the device per change of rows with an 8B model); attention layers (``BatchKVCache``) hold equal
+    paddings, since every layer's rows are merged, extended and filtered alike, so here it is read once, and only
+    when ``trim`` asks. Other layers (recurrent, rotating) go through their own ``filter``."""
+    shift = None
+    for layer in cache:
+        if type(layer) is not BatchKVCache:
+            layer.filter(rows)
+            continue
+        keys, values, offset, left_padding, filled = layer.state
+        keys = keys[rows] if keys is not None else None
+        values = values[rows] if values is not None else None
+        left_padding = left_padding[rows]
+        if trim and shift is None:
+            shift = min(left_padding.tolist())
+        if trim and shift > 0:
+            if keys is not None:
+                keys, values = keys[..., shift:, :], values[..., shift:, :]
+            filled, left_padding = filled - shift, left_padding - shift
+        layer.state = (keys, values, offset[rows], left_padding, filled)
+
 
 def _release_drafts(rows: list[Row]) -> None:
     for row in rows:
