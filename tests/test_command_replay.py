@@ -44,7 +44,7 @@ class RecordingChannel:
     def peer_stats(self) -> list[dict[str, int] | None]:
         return []
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         pass
 
     def share_tokens(self, tokens: Any) -> Any:

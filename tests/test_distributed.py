@@ -220,7 +220,7 @@ class StuckChannel:
     def peer_stats(self):
         return [dict(pid=2)]
 
-    def close(self):
+    def close(self, wait_s=0.0):
         pass
 
     def share_tokens(self, tokens):

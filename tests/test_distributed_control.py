@@ -115,13 +115,23 @@ def test_a_rank_whose_connection_ends_is_lost_and_sending_to_it_fails():
             client.close()
 
 
-def test_ranks_leaving_after_stop_are_not_lost():
+def test_ranks_leaving_after_stop_are_not_lost_and_read_everything_sent():
     server, clients = connected(2)
+    clients[1].report([1])
+    server.send(b"stop")
     server.expect_close()
-    clients[1].close()
-    time.sleep(0.3)
-    assert server.lost is None
-    server.close()
+    received = []
+
+    def leave() -> None:  # the rank reads stop, then leaves
+        time.sleep(0.3)
+        received.append(clients[1].receive())
+        clients[1].close()
+
+    threading.Thread(target=leave).start()
+    started = time.monotonic()
+    server.close(wait_s=5)  # waits for the rank to leave first
+    assert 0.2 < time.monotonic() - started < 5
+    assert received == [b"stop"] and server.lost is None
 
 
 def test_rank_0s_addresses_come_from_the_launch_environment_first(tmp_path):

@@ -114,10 +114,12 @@ class Channel:
         if self._client is not None:
             self._client.report(stats)
 
-    def close(self) -> None:
-        for end in (self._server, self._client):
-            if end is not None:
-                end.close()
+    def close(self, wait_s: float = 0.0) -> None:
+        """Close the control connections (rank 0: after waiting up to ``wait_s`` for the others to close theirs)."""
+        if self._server is not None:
+            self._server.close(wait_s)
+        if self._client is not None:
+            self._client.close()
 
     # ---- on the device ----
 

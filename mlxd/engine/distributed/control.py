@@ -124,8 +124,10 @@ class ControlServer:
             hello = Hello(listener.getsockname()[1], secrets.randbits(62), leader_hosts())
             tell(group, hello)
             self._peers = self._accept(listener, hello.nonce, timeout_s)
-        for rank, sock in self._peers.items():
-            threading.Thread(target=self._read, args=(rank, sock), name=f"mlxd-control-{rank}", daemon=True).start()
+        self._readers = [threading.Thread(target=self._read, args=(rank, sock), name=f"mlxd-control-{rank}",
+                                          daemon=True) for rank, sock in self._peers.items()]
+        for reader in self._readers:
+            reader.start()
 
     def _accept(self, listener: socket.socket, nonce: int, timeout_s: float) -> dict[int, socket.socket]:
         peers: dict[int, socket.socket] = {}
@@ -176,8 +178,14 @@ class ControlServer:
         """Rank 0 has sent stop: connections that end now are the ranks leaving, not lost."""
         self._closing = True
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Close every connection; ``wait_s``: first wait that long for the ranks to close theirs (after stop),
+        so that nothing they sent is left unread (a socket closed with unread bytes resets the connection, and
+        the peer could lose what was sent last)."""
         self._closing = True
+        deadline = time.monotonic() + wait_s
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
         for sock in self._peers.values():
             _close(sock)
 

@@ -93,7 +93,7 @@ class Leader:
     def stopped(self) -> None:
         """The engine's loop ended (a stop it applied): the other ranks hear it."""
         self._publish(None)
-        self.channel.close()
+        self.channel.close(wait_s=5.0)  # the ranks close their ends once they have read stop
 
     def start(self) -> None:
         Watchdog(self, self._engine).start()
