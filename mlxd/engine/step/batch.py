@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine.speculative.step import SpeculativeStep
+from mlxd.engine.step.batchcache import extract_row, gather_rows
 from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.step.penalties import CONTEXT, apply_penalties
@@ -133,8 +133,7 @@ class DecodeBatch:
         """One row's cache layers at batch size 1 (the batch's own cache when it is the only row, else a copy)."""
         if len(self.rows) == 1:
             return self.cache
-        index = self.request_ids.index(request_id)
-        return [layer.extract(index) for layer in self.cache]
+        return extract_row(self.cache, self.request_ids.index(request_id))
 
     def clear(self) -> None:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
@@ -168,13 +167,13 @@ class DecodeBatch:
         """Make the batched cache (``current`` rows now) hold the rows at indices ``real`` (in that order), then
         the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
         Speculative batches are not padded: their verify passes take any width. ``trim`` (rows left): also drop
-        the left padding every remaining row has (:func:`_gather`)."""
+        the left padding every remaining row has (:func:`~mlxd.engine.step.batchcache.gather_rows`)."""
         width = len(real)
         if self.buckets is not None and self.buckets.decode and not self.speculative:
             width = self.buckets.width(width)
         indices = real + [real[0]] * (width - len(real))
         if indices != list(range(current)):
-            _gather(self.cache, mx.array(indices), trim)
+            gather_rows(self.cache, mx.array(indices), trim)
         self._filler = width - len(real)
 
     def step(self) -> list[list[int]]:
@@ -359,30 +358,6 @@ class DecodeBatch:
         for key in [key for key, members in groups.items() if len(members) < 2]:
             alone += groups.pop(key)
         return groups, sorted(alone)
-
-def _gather(cache: list[Any], rows: mx.array, trim: bool) -> None:
-    """Keep the batched cache's ``rows`` (in that order, repeats allowed), as mlx-lm's ``filter`` does, and with
-    ``trim`` drop the left padding they all have. ``filter`` reads that padding back from the device in every layer
-    (36 waits for the device per change of rows with an 8B model); attention layers (``BatchKVCache``) hold equal
-    paddings, since every layer's rows are merged, extended and filtered alike, so here it is read once, and only
-    when ``trim`` asks. Other layers (recurrent, rotating) go through their own ``filter``."""
-    shift = None
-    for layer in cache:
-        if type(layer) is not BatchKVCache:
-            layer.filter(rows)
-            continue
-        keys, values, offset, left_padding, filled = layer.state
-        keys = keys[rows] if keys is not None else None
-        values = values[rows] if values is not None else None
-        left_padding = left_padding[rows]
-        if trim and shift is None:
-            shift = min(left_padding.tolist())
-        if trim and shift > 0:
-            if keys is not None:
-                keys, values = keys[..., shift:, :], values[..., shift:, :]
-            filled, left_padding = filled - shift, left_padding - shift
-        layer.state = (keys, values, offset[rows], left_padding, filled)
-
 
 def _release_drafts(rows: list[Row]) -> None:
     for row in rows:
