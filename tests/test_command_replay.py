@@ -31,7 +31,7 @@ class RecordingChannel:
 
     lost = None
 
-    def connect(self, timeout_s: float) -> None:
+    def connect(self, timeout_s: float, port: int = 0) -> None:
         pass
 
     def send(self, message: Any) -> None:

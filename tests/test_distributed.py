@@ -40,6 +40,7 @@ DISTRIBUTED = """
 backend = "ring"
 tensor_parallel = 2
 starting_port = {ring_port}
+control_port = {control_port}
 heartbeat_s = 0.5
 step_timeout_s = {timeout}
 """
@@ -62,7 +63,7 @@ def ring_ports(count: int = 2) -> int:
 
 
 def distributed_config(tmp: Path, model_dir: Path, port: int, timeout: float = 30, extra: str = "") -> Path:
-    extra = DISTRIBUTED.format(ring_port=ring_ports(), timeout=timeout) + extra
+    extra = DISTRIBUTED.format(ring_port=ring_ports(), control_port=free_port(), timeout=timeout) + extra
     return write_config(tmp, model_dir, port=port, extra=extra, model_extra="", server_extra="")
 
 
@@ -208,7 +209,7 @@ class StuckChannel:
         self.released = threading.Event()
         self.lost = None
 
-    def connect(self, timeout_s):
+    def connect(self, timeout_s, port=0):
         pass
 
     def send(self, message):

@@ -13,6 +13,7 @@ import pytest
 
 from mlxd.engine.distributed.control import ControlClient, ControlServer, Hello, leader_hosts, send_frame
 from mlxd.errors import DistributedFault
+from tests.helpers import free_port
 
 
 class Group:
@@ -47,7 +48,7 @@ class Board:
         return self.hello
 
 
-def connected(size: int) -> tuple[ControlServer, dict[int, ControlClient]]:
+def connected(size: int, port: int = 0) -> tuple[ControlServer, dict[int, ControlClient]]:
     board, clients = Board(), {}
 
     def join(rank: int) -> None:
@@ -56,7 +57,7 @@ def connected(size: int) -> tuple[ControlServer, dict[int, ControlClient]]:
     threads = [threading.Thread(target=join, args=(rank,)) for rank in range(1, size)]
     for thread in threads:
         thread.start()
-    server = ControlServer(Group(0, size), 10, tell=board.tell)
+    server = ControlServer(Group(0, size), 10, tell=board.tell, port=port)
     for thread in threads:
         thread.join(10)
     assert sorted(clients) == list(range(1, size))
@@ -142,3 +143,17 @@ def test_rank_0s_addresses_come_from_the_launch_environment_first(tmp_path):
     assert leader_hosts({"MLX_JACCL_COORDINATOR": "10.9.9.9:32323"})[0] == "10.9.9.9"
     plain = leader_hosts({"MLX_HOSTFILE": str(tmp_path / "missing.json")})
     assert plain[-1] == "127.0.0.1" and len(plain) == len(set(plain))
+
+
+def test_a_configured_control_port_is_the_one_announced_and_a_taken_one_is_named():
+    port = free_port()
+    server, clients = connected(2, port)
+    try:
+        assert clients[1]._sock.getpeername()[1] == port
+    finally:
+        server.close()
+        clients[1].close()
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        taken_port = taken.getsockname()[1]
+        with pytest.raises(DistributedFault, match=f"control_port = {taken_port}: rank 0 cannot listen on it"):
+            ControlServer(Group(0, 2), 1, tell=lambda group, hello: hello, port=taken_port)

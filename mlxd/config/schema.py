@@ -254,6 +254,9 @@ class DistributedConfig(Base):
     step_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 60.0
     # While idle, rank 0 pings the group this often, so that a lost rank is noticed without traffic.
     heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    # Rank 0's control port (TCP, every interface), which the other ranks connect to once after warm-up for rank
+    # 0's messages; 0: an ephemeral port, announced through the group. Set one where a firewall sits between hosts.
+    control_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 class PipelineSpec(Base):

@@ -66,12 +66,13 @@ class Channel:
         self._server: ControlServer | None = None
         self._client: ControlClient | None = None
 
-    def connect(self, timeout_s: float) -> None:
-        """Set up the control connections: every rank calls it at the same point (it runs one collective)."""
+    def connect(self, timeout_s: float, port: int = 0) -> None:
+        """Set up the control connections: every rank calls it at the same point (it runs one collective). Rank 0
+        listens on ``port`` (0: an ephemeral one)."""
         if self.size == 1:
             return
         if self.rank == 0:
-            self._server = ControlServer(self.group, timeout_s)
+            self._server = ControlServer(self.group, timeout_s, port=port)
         else:
             self._client = ControlClient(self.group, timeout_s)
 

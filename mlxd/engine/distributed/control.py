@@ -4,8 +4,8 @@ Rank 0's messages (:class:`~mlxd.engine.distributed.channel.Message`) must not q
 collective on the device stream can only be read once the step before it has finished on every rank, so rank 0
 could not plan step n+1 while step n runs. A socket is read by the host as soon as the bytes arrive.
 
-Setting up (once, after warm-up, on every rank at the same point): rank 0 listens on an ephemeral port of every
-interface and tells the group, in one ``all_sum`` over the group's own backend, its port, the addresses it may be
+Setting up (once, after warm-up, on every rank at the same point): rank 0 listens on a port of every interface
+(``[distributed] control_port``, else an ephemeral one) and tells the group, in one ``all_sum`` over the group's own backend, its port, the addresses it may be
 reached at (what the launch environment says of rank 0's host, then its own addresses) and a random nonce; each
 other rank connects to the first address that answers with that nonce. Then rank 0 sends frames; the others send
 their counters back now and then (:meth:`ControlClient.report`), read by one thread per rank on rank 0.
@@ -113,13 +113,16 @@ class ControlServer:
     """Rank 0's end: a connection to each other rank, frames sent to all, their counters read on threads.
     ``tell`` passes the :class:`Hello` to the other ranks (:func:`announce`, over the group)."""
 
-    def __init__(self, group: Any, timeout_s: float, tell: Announce = announce) -> None:
+    def __init__(self, group: Any, timeout_s: float, tell: Announce = announce, port: int = 0) -> None:
         self.size = group.size()
         self.lost: str | None = None  # why a rank's connection ended while the job ran
         self.stats: list[list[int] | None] = [None] * self.size  # each rank's last report (rank 0's unused)
         self._heard = threading.Condition()
         self._closing = False
-        listener = socket.create_server(("0.0.0.0", 0))
+        try:
+            listener = socket.create_server(("0.0.0.0", port))
+        except OSError as e:
+            raise DistributedFault(f"[distributed] control_port = {port}: rank 0 cannot listen on it ({e})") from e
         with listener:
             hello = Hello(listener.getsockname()[1], secrets.randbits(62), leader_hosts())
             tell(group, hello)

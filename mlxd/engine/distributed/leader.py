@@ -76,7 +76,7 @@ class Leader:
     def ready(self) -> None:
         """The engine is warm: the control connections are set up (every rank is warm by then: it takes a
         collective), and every rank has reported, before /health turns 200."""
-        self.channel.connect(self.settings.step_timeout_s)
+        self.channel.connect(self.settings.step_timeout_s, self.settings.control_port)
         self._publish(None)
         self.channel.wait_reported(self.settings.step_timeout_s)
 
