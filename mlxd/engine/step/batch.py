@@ -157,7 +157,7 @@ class DecodeBatch:
             return
         if len(keep) == 1:
             # Back to a plain cache: the lone stream runs unmasked again.
-            self.cache = [c.extract(keep[0]) for c in self.cache]
+            self.cache = extract_row(self.cache, keep[0])
             self._filler = 0
         else:
             self._arrange(keep, current)
@@ -257,8 +257,8 @@ class DecodeBatch:
         if self._ragged < 64 * len(self.rows):
             return
         self._ragged = 0
-        rows = [[layer.extract(i) for i in range(len(self.rows))] for layer in self.cache]
-        self.cache = [layer[0].merge(layer) for layer in rows]
+        rows = [extract_row(self.cache, i) for i in range(len(self.rows))]
+        self.cache = [layers[0].merge(list(layers)) for layers in zip(*rows, strict=True)]
 
     def position_inputs(self) -> dict[str, mx.array]:
         """Per-row position inputs of the next forward pass (any number of positions a row): multimodal RoPE
