@@ -60,6 +60,7 @@ class Result:
     spread_s: float | None = None  # last stream's first token - first stream's first token
     gap_p90_ms: float | None = None
     gap_max_ms: float | None = None
+    failed: int = 0  # streams that ended before --max-tokens tokens (an error frame or a dropped connection)
 
 
 # ---- prompts ----
@@ -159,14 +160,18 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
     runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens) for p in prompts])
     tokens = sum(n for _, _, n in runs)
     sent = min(s for s, _, _ in runs)
+    failed = sum(1 for _, t, n in runs if n < max_tokens or not t)
+    if not any(t for _, t, _ in runs):
+        return Result(label, len(prompts), tokens, None, None, 0.0, failed=failed)
     first = min(t[0] for _, t, _ in runs if t)
     last = max(t[-1] for _, t, _ in runs if t)
     ttfts = [t[0] - s for s, t, _ in runs if t]
     gaps = sorted(g for _, t, _ in runs for g in (b - a for a, b in zip(t, t[1:], strict=False)))
-    return Result(label, len(prompts), tokens, statistics.mean(ttfts), statistics.median(gaps) * 1000,
+    return Result(label, len(prompts), tokens, statistics.mean(ttfts), statistics.median(gaps) * 1000 if gaps else None,
                   tokens / (last - sent), statistics.median(ttfts),
                   max(t[0] for _, t, _ in runs if t) - first,
-                  gaps[int(0.9 * (len(gaps) - 1))] * 1000, gaps[-1] * 1000)
+                  gaps[int(0.9 * (len(gaps) - 1))] * 1000 if gaps else None, gaps[-1] * 1000 if gaps else None,
+                  failed)
 
 
 @dataclasses.dataclass
@@ -313,7 +318,8 @@ def table(results: list[Result]) -> str:
         ttft = f"{r.ttft_s:.3f}" if r.ttft_s is not None else "–"
         spread = f"{r.spread_s:.3f}" if r.spread_s is not None else "–"
         itl = " / ".join(f"{v:.2f}" for v in (r.itl_ms, r.gap_p90_ms, r.gap_max_ms) if v is not None) or "–"
-        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens} | {ttft} | {spread} | {itl} | "
+        tokens = f"{r.tokens} ({r.failed} streams failed)" if r.failed else f"{r.tokens}"
+        lines.append(f"| {r.label} | {r.concurrency} | {tokens} | {ttft} | {spread} | {itl} | "
                      f"{r.tokens_per_s:.0f} |")
     return "\n".join(lines)
 
@@ -326,10 +332,12 @@ def first_pass_report(passes: list[FirstPass], rounds: list[list[Result]] | None
              "", "| engine | streams | pass | tokens | TTFT p50 (s) | aggregate tok/s |", "|---|---|---|---|---|---|"]
     for p in passes:
         for name, r in (("first after ready", p.first), ("second", p.second)):
-            lines.append(f"| {r.label} | {r.concurrency} | {name} | {r.tokens} | {r.ttft_p50_s:.3f} | "
-                         f"{r.tokens_per_s:.0f} |")
+            ttft = f"{r.ttft_p50_s:.3f}" if r.ttft_p50_s is not None else "–"
+            lines.append(f"| {r.label} | {r.concurrency} | {name} | {r.tokens} | {ttft} | {r.tokens_per_s:.0f} |")
     lines.append("")
     for p in passes:
+        if not p.second.tokens_per_s:
+            continue
         lines.append(f"- {p.first.label.replace(' (HTTP)', '')} first pass / second pass at {p.first.concurrency} "
                      f"streams: {p.first.tokens_per_s / p.second.tokens_per_s:.2f}x")
         warm = [_rate(runs, p.first.label, p.first.concurrency) for runs in rounds or []]
