@@ -178,8 +178,7 @@ def test_concurrent_requests_share_one_pass_and_equal_their_solo_vectors(tiny_qw
 
 @pytest.fixture(scope="module")
 def tiny_bert_dir(tiny_models_root):
-    pytest.importorskip("mlx_embeddings")
-    from tests.support.tiny_bert import tiny_bert_cached
+    from tests.support.tiny_bert import tiny_bert_cached  # mlx-embeddings: in the test extra
 
     return tiny_bert_cached(tiny_models_root)
 
