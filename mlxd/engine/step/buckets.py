@@ -52,8 +52,13 @@ class Buckets:
 
     def width(self, num_rows: int) -> int:
         """The rows a batch of ``num_rows`` real rows runs at: the smallest bucket that holds them (``num_rows``
-        itself beyond ``max_running``, which only a plan made elsewhere can ask)."""
-        return next((w for w in self.widths if w >= num_rows), num_rows)
+        itself beyond ``max_running``, which only a plan made elsewhere can ask). Plain arithmetic: admission asks
+        it for every request it weighs."""
+        if num_rows >= self.max_running:
+            return num_rows
+        if num_rows <= SMALL[-1]:
+            return min(1 << max(0, num_rows - 1).bit_length(), self.max_running)
+        return min(-(-num_rows // STEP) * STEP, self.max_running)
 
 
 def make_buckets(max_running: int, setting: str = "auto") -> Buckets | None:
