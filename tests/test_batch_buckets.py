@@ -80,6 +80,29 @@ def test_padded_batches_give_each_row_its_solo_greedy_tokens(model):
         assert got == solo(model, prompt, len(got)), row.request_id
 
 
+def test_a_padded_batch_emptied_at_once_takes_a_lone_row_as_generate_step(tiny_model_dir):
+    """Every row of a padded batch (3 rows, 4 wide) leaves in one step; a row then joining the empty batch, alone
+    or as a group of one, runs unpadded and gives its solo tokens (a stale filler count once fed it extra rows: a
+    broadcast error in its first decode step on a GPU, after a burst had left)."""
+    model = load(str(tiny_model_dir))[0]
+    buckets = Buckets(8)
+    batch = DecodeBatch(model, buckets=buckets)
+    prompts = [[7 + i + j for j in range(4 + 3 * i)] for i in range(5)]
+    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(5)]
+    batch.add_batch(rows[:3], *process_prompts(model, rows[:3], prompts[:3], buckets=buckets))
+    batch.step()
+    batch.remove({"r0", "r1", "r2"})
+    for joining in ("alone", "group of one"):
+        row, prompt = (rows[3], prompts[3]) if joining == "alone" else (rows[4], prompts[4])
+        if joining == "alone":
+            batch.add(row, process_prompt(model, row, prompt, last=True))
+        else:
+            batch.add_batch([row], *process_prompts(model, [row], [prompt], buckets=buckets))
+        got = [token for _ in range(4) for token in batch.step()[0]]
+        assert got == solo(model, prompt, len(got)), joining
+        batch.remove({row.request_id})
+
+
 def test_serving_meets_only_shapes_warm_up_ran(tiny_model_dir):
     """Warm-up with buckets forced on records its shapes; then random waves of requests (prompts of 3-60 tokens,
     1-12 tokens each, so rows join alone and in groups and leave at random) must meet no decode width and no

@@ -87,7 +87,7 @@ class DecodeBatch:
         """Join a row whose prompt is processed; ``first_token`` is what :func:`~mlxd.engine.step.prompts.process_prompt` sampled."""
         cache, row.cache = row.cache, []
         if not self.rows:
-            self.cache, self.inputs, self.rows = cache, first_token.reshape(1), [row]
+            self.cache, self.inputs, self.rows, self._filler = cache, first_token.reshape(1), [row], 0
             self._rows_changed()
             return
         self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
@@ -95,7 +95,7 @@ class DecodeBatch:
     def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
         """Join rows processed together by :func:`~mlxd.engine.step.prompts.process_prompts` (``cache`` in batched form)."""
         if not self.rows and len(rows) == 1:
-            self.cache, self.inputs, self.rows = [c.extract(0) for c in cache], first_tokens, list(rows)
+            self.cache, self.inputs, self.rows, self._filler = [c.extract(0) for c in cache], first_tokens, list(rows), 0
             self._rows_changed()
             return
         real, current = list(range(len(rows))), len(rows)
@@ -153,7 +153,7 @@ class DecodeBatch:
         self.rows = [self.rows[i] for i in keep]
         self._rows_changed()
         if not keep:
-            self.cache, self.inputs = [], None
+            self.cache, self.inputs, self._filler = [], None, 0
             return
         if len(keep) == 1:
             # Back to a plain cache: the lone stream runs unmasked again.
