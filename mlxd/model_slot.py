@@ -5,6 +5,7 @@ the loading steps."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,10 +160,11 @@ class ModelSlot:
         drafter = make_drafter(config.engine.speculative, loaded.model, loaded.path, hooks.base_dir)
         if hooks.make_engine is not None:
             return hooks.make_engine(config.engine, loaded.model, drafter)
-        if hooks.turn is not None:
-            from mlxd.engine.turn import TurnTakingEngine
+        if hooks.turn is not None:  # several models on one device: each step takes the device's turn
+            from mlxd.engine.engine import BatchedEngine
 
-            return TurnTakingEngine(loaded.model, config.engine, drafter=drafter, turn=hooks.turn, holder=self.name)
+            return BatchedEngine(loaded.model, config.engine, drafter=drafter,
+                                 held=functools.partial(hooks.turn.held, self.name))
         from mlxd.engine.factory import make_engine
 
         return make_engine(config.engine, loaded.model, drafter)

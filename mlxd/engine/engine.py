@@ -19,10 +19,12 @@ with a 503 ``Failed``, :meth:`BatchedEngine.submit` refuses, and ``on_failure`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -62,8 +64,12 @@ class BatchedEngine:
     def __init__(self, model: Any, config: EngineConfig, *,
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
                  drafter: Drafter | None = None, channel: Group | None = None,
-                 leader: Leader | None = None) -> None:
+                 leader: Leader | None = None,
+                 held: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         self.model = model
+        # Held around each step and the warm-up: the device's turn when several models share it
+        # (:class:`mlxd.runtime.device_turn.DeviceTurn`); nothing otherwise.
+        self.held = held
         self.drafter = drafter
         # Images are encoded on a thread of their own while the engine steps (not in a distributed group, whose
         # ranks must run the same work in the same step).
@@ -128,8 +134,9 @@ class BatchedEngine:
     # ---- the event loop's side: thread-safe, no MLX ----
 
     def start(self) -> None:
-        self._thread.start()
-        self._ready.wait()
+        with self.held():  # the warm-up runs on the engine thread while this waits for it
+            self._thread.start()
+            self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
         if self.leader is not None:
@@ -229,10 +236,11 @@ class BatchedEngine:
 
     def step(self) -> None:
         """One engine step: plan (the scheduler) → run the plan → post-process (each phase timed)."""
-        self.step_times.start()
-        plan = self.core.plan()
-        self.step_times.lap("schedule")
-        self.core.apply(plan)
+        with self.held():
+            self.step_times.start()
+            plan = self.core.plan()
+            self.step_times.lap("schedule")
+            self.core.apply(plan)
         if self.leader is not None:
             self.leader.stepped()
 

@@ -1,7 +1,7 @@
 """One device, several engines: each engine step (and each engine's warm-up) takes the device's turn
 (:class:`DeviceTurn`), so that no two engine threads run device work at once. Turns are served first come first
 served, so one model's burst cannot starve another's streams: with two engines busy, their steps alternate.
-Plain Python; the engine side is :class:`mlxd.engine.turn.TurnTakingEngine`."""
+Plain Python; the engine side is :class:`mlxd.engine.engine.BatchedEngine`'s ``held``."""
 
 from __future__ import annotations
 
