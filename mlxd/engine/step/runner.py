@@ -176,7 +176,8 @@ class StepRunner:
             first = process_prompt(self.model, row, request.prompt[start:end], last=end == len(request.prompt),
                                    start=start, share=self.batch.share)
             if first is None:  # a chunk boundary: keep the work, even if the request is cancelled later
-                self._reuse.keep(submitted.cache_key[:end], row.cache)
+                self._reuse.keep_chunk(submitted.cache_key, start, end, row.cache, checkpoints=request.checkpoints,
+                                       num_cached=state.num_cached_tokens)
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
             self._fail(request.request_id, "prefill", e)
             return
