@@ -258,7 +258,10 @@ def test_retry_after_follows_the_error(served, monkeypatch, exc, status, retry_a
 def test_no_request_id_before_one_is_given(served, monkeypatch):
     # An error before the request has an id names none (and not the id of an earlier request).
     client, daemon, _ = served
-    monkeypatch.setattr(type(daemon), "resolve_model", lambda self, model: 1 / 0)
+    async def broken(self, model):
+        return 1 / 0
+
+    monkeypatch.setattr(type(daemon.models), "acquire", broken)  # finding the model: before the request has an id
     error = assert_error(chat(client), 500)
     assert "chatcmpl-" not in error["message"]
 
@@ -327,7 +330,7 @@ def test_oversized_body_is_still_413(tiny_model_dir, tmp_path):
 def test_building_the_app_builds_every_endpoint_body_decoder(tiny_model_dir, tmp_path):
     """Not the first request of each endpoint: it would pay several ms on the event loop, and every request beside
     it would wait."""
-    from mlxd.api import anthropic_schemas, body, responses_schemas, schemas
+    from mlxd.api import anthropic_schemas, body, embeddings, responses_schemas, schemas
     from mlxd.api.app import create_app
     from mlxd.cli import load_everything
     from mlxd.daemon import Daemon
@@ -337,9 +340,10 @@ def test_building_the_app_builds_every_endpoint_body_decoder(tiny_model_dir, tmp
     create_app(Daemon(config, pipeline, base_dir=tmp_path), load=False)
     built = body._decoder.cache_info().currsize
     for type_ in (schemas.ChatCompletionRequest, schemas.CompletionRequest, anthropic_schemas.MessagesRequest,
-                  anthropic_schemas.CountTokensRequest, responses_schemas.ResponsesRequest):
+                  anthropic_schemas.CountTokensRequest, responses_schemas.ResponsesRequest,
+                  embeddings.EmbeddingsRequest):
         body._decoder(type_)
-    assert body._decoder.cache_info().currsize == built == 5
+    assert body._decoder.cache_info().currsize == built == 6
 
 
 def test_the_daemon_is_alive_and_unpoisoned_afterwards(served):
