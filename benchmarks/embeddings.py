@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from load import with_openblas  # noqa: E402
+
 START, END = "<!-- embeddings.py start -->", "<!-- embeddings.py end -->"
 NUM_TEXTS = 64
 
@@ -43,16 +47,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    from mlxd.runtime.blas import ENV_REEXECED, find_openblas, preload_environment
-
-    lib = find_openblas()
-    if sys.platform != "linux" or os.environ.get(ENV_REEXECED) or lib is None:
-        return
-    env = {**preload_environment(lib, os.environ), ENV_REEXECED: "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 
 # bge-small-en-v1.5's shape (a BERT encoder, served through mlx-embeddings).
@@ -200,7 +194,7 @@ def write_section(out: Path, section: str) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    reexec_with_openblas(argv)
+    with_openblas()  # benchmarks/load.py: re-run with OpenBLAS preloaded, as mlxd runs itself
     folders = list(args.model) + (build_models(args.build) if args.build else [])
     if not folders:
         raise SystemExit("give --model DIR (repeatable) or --build DIR")

@@ -433,6 +433,7 @@ def with_openblas() -> None:
         print(f"OpenBLAS not preloaded ({e}); the bundled BLAS computes", file=sys.stderr)  # noqa: T201
         return
     env[ENV_REEXECED] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # mlxd and tests.support
     probe = subprocess.run([sys.executable, "-S", "-c", ""], env=env, capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         print(f"OpenBLAS not preloaded ({probe.stderr.strip()}); the bundled BLAS computes",  # noqa: T201

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from load import with_openblas  # noqa: E402
+
 START, END = "<!-- long_prefill.py: start -->", "<!-- long_prefill.py: end -->"
 
 
@@ -49,16 +53,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    from mlxd.runtime.blas import ENV_REEXECED, find_openblas, preload_environment
-
-    lib = find_openblas()
-    if sys.platform != "linux" or os.environ.get(ENV_REEXECED) or lib is None:
-        return
-    env = {**preload_environment(lib, os.environ), ENV_REEXECED: "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 
 def load_avg() -> float:
@@ -212,7 +206,7 @@ def write(out: Path, section: str) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    reexec_with_openblas(argv)
+    with_openblas()  # benchmarks/load.py: re-run with OpenBLAS preloaded, as mlxd runs itself
     import numpy as np
 
     model = load_model(args.source).model

@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from load import with_openblas  # noqa: E402
+
 START, END = "<!-- models.py start -->", "<!-- models.py end -->"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -42,19 +46,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    """On Linux, run again with OpenBLAS preloaded, as ``mlxd serve`` does (float32 matmuls on the CPU)."""
-    import os
-
-    from mlxd.runtime.blas import ENV_REEXECED, find_openblas, preload_environment
-
-    lib = find_openblas()
-    if sys.platform != "linux" or os.environ.get(ENV_REEXECED) or lib is None:
-        return
-    env = {**preload_environment(lib, os.environ), ENV_REEXECED: "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
 
 
 def build_models(folder: Path, preset: str) -> list[Path]:
@@ -164,7 +155,7 @@ def write_section(out: Path, section: str) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    reexec_with_openblas(argv)
+    with_openblas()  # benchmarks/load.py: re-run with OpenBLAS preloaded, as mlxd runs itself
     with tempfile.TemporaryDirectory() as tmp:
         folders = list(args.model) or (build_models(args.build or Path(tmp), args.preset))
         if len(folders) != 2:
