@@ -78,7 +78,8 @@ class ModelSlot:
         self.num_requests = self.num_loads = self.num_unloads = 0
         self.num_preparing = self._num_leased = 0
         self._leased_at = 0.0
-        self.loading: asyncio.Future | None = None
+        self.loading: asyncio.Future | None = None  # the load running on a thread
+        self.admitting: asyncio.Future | None = None  # room being made for a load (mlxd.registry)
 
     # ---- loading (a loader thread) ----
 
@@ -249,6 +250,18 @@ class ModelSlot:
             return self.weight_bytes
         return weight_file_bytes(self.config.model.source, self.hooks.base_dir)
 
+    def memory(self) -> dict[str, int]:
+        """What it holds against the models' memory budget: ``weights`` (:meth:`expected_bytes`), and while its
+        engine runs, ``kv`` (its running requests' cache reservations) and ``prefix_cache`` (its snapshots), as the
+        engine reports them (``memory_bytes()``)."""
+        engine = self.engine
+        held = engine.memory_bytes() if engine is not None else {"kv": 0, "prefix_cache": 0}
+        return {"weights": self.expected_bytes(), "kv": held["kv"], "prefix_cache": held["prefix_cache"]}
+
+    def held_bytes(self) -> int:
+        """Bytes counted against the budget while it holds memory (loading or ready): weights, KV, prefix cache."""
+        return sum(self.memory().values()) if self.holds_memory else 0
+
     async def prepare(self, job: Job, flag: CancelFlag, until: str | None = None) -> Job:
         """Run the pipeline's ``prepare`` (up to the stage named ``until``) on a preparation worker.
 
@@ -287,9 +300,12 @@ class ModelSlot:
     def describe(self) -> dict[str, Any]:
         """State, memory and requests, for status pages and metrics."""
         engine = self.engine
+        memory = self.memory() if engine is not None else {"kv": 0, "prefix_cache": 0}
         return {"name": self.name, "state": self.state, **({"error": self.error} if self.error else {}),
                 "load": self.served.load, "pin": self.served.pin, "idle_unload_s": self.served.idle_unload_s,
                 "weight_bytes": self.weight_bytes, "active_bytes": self.active_bytes if engine is not None else 0,
+                "kv_bytes": memory["kv"], "prefix_cache_bytes": memory["prefix_cache"],
+                "memory_bytes": self.held_bytes(),
                 "num_requests": self.num_requests, "num_active": engine.num_active if engine is not None else 0,
                 "num_loads": self.num_loads, "num_unloads": self.num_unloads,
                 "idle_s": round(time.monotonic() - self.last_used, 1)}

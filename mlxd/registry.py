@@ -38,8 +38,9 @@ class Room:
 class ModelRegistry:
     """Every configured model (:func:`mlxd.config.models.served_models`), in config order.
 
-    ``gate()`` is called first by :meth:`acquire` (the daemon's own readiness: loading, draining). ``budget``: bytes
-    of weights the loaded models may hold together (``[server] models_memory_bytes``; 0: no bound)."""
+    ``gate()`` is called first by :meth:`admit` (the daemon's own readiness: loading, draining). ``budget``: bytes
+    the loaded models may hold together, weights, KV and prefix cache (``[server] models_memory_bytes``; 0: no
+    bound)."""
 
     def __init__(self, served: list[ServedModel], hooks: SlotHooks, *, first_pipeline: Any = None,
                  budget: int = 0, gate: Callable[[], None] | None = None) -> None:
@@ -74,35 +75,64 @@ class ModelRegistry:
                             + (f" or a name matching {aliases}" if aliases else ""), param="model")
 
     async def acquire(self, requested: str) -> ModelSlot:
-        """The ready slot for a request's ``model``: loaded first when it is not (the request waits), after
-        unloading least recently used idle, unpinned models when it does not fit the budget. ``NotReady`` (503
-        with ``Retry-After``) when it cannot fit now or its load failed; ``ModelNotFound`` (404)."""
+        """The ready slot for a request's ``model``, loaded first when it is not (the request waits): what
+        :meth:`admit` finds, once loaded."""
+        slot, loaded = await self.admit(requested)
+        return slot if loaded is None else await loaded
+
+    async def admit(self, requested: str) -> tuple[ModelSlot, asyncio.Future | None]:
+        """The slot for a request's ``model``, with its load started when it is not ready: ``(slot, None)`` for a
+        ready model, else ``(slot, loaded)``, a future that gives the slot once it is ready (``NotReady`` when its
+        load fails). The slot given counts as busy until its request reaches preparation.
+
+        What can be known before a response starts is raised here: ``ModelNotFound`` (404), and ``NotReady`` (503
+        with ``Retry-After``) when the model does not fit the memory budget even after least recently used idle,
+        unpinned models are unloaded to make room, so that a streaming request may wait for the load with keep-alive
+        frames once this returns."""
         if self.gate is not None:
             self.gate()
         slot = self.resolve(requested)
+        if slot.state == "ready":
+            slot.lease()
+            return slot, None
+        await self._start_load(slot)
+        return slot, _settled(asyncio.ensure_future(self._loaded(slot)))
+
+    async def _start_load(self, slot: ModelSlot) -> None:
+        """Start ``slot``'s load (unless it is loading) once room is made for it; ``NotReady`` when none can be."""
+        if slot.loading is not None:
+            return
+        if slot.admitting is None:
+            slot.admitting = _settled(asyncio.ensure_future(self._admit(slot)))
+            slot.admitting.add_done_callback(lambda _: setattr(slot, "admitting", None))
+        await asyncio.shield(slot.admitting)
+
+    async def _admit(self, slot: ModelSlot) -> None:
+        async with self._room_lock():  # one decision about memory at a time
+            if slot.state == "ready" or slot.loading is not None:
+                return
+            await self._make_room(slot)
+            slot.state = "loading"
+            slot.loading = asyncio.ensure_future(asyncio.to_thread(slot.load_safely))  # records a failure in state
+            slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
+
+    async def _loaded(self, slot: ModelSlot) -> ModelSlot:
         for _ in range(3):  # another request's load may unload it again before this one resumes
+            if slot.loading is not None:
+                await asyncio.shield(slot.loading)
             if slot.state == "ready":
                 slot.lease()
                 return slot
-            await self._load_on_request(slot)
+            if slot.state == "failed":
+                raise NotReady(f"model {slot.name!r} could not be loaded: {slot.error}", retry_after=5.0)
+            await self._start_load(slot)
         raise NotReady(f"model {slot.name!r} was unloaded again (for other models) while this request waited for "
                        "it; retry shortly", retry_after=1.0)
 
-    async def _load_on_request(self, slot: ModelSlot) -> None:
-        if slot.loading is None:
-            slot.loading = asyncio.ensure_future(self._load(slot))
-            slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
-        await asyncio.shield(slot.loading)
-        if slot.state == "failed":
-            raise NotReady(f"model {slot.name!r} could not be loaded: {slot.error}", retry_after=5.0)
-
-    async def _load(self, slot: ModelSlot) -> None:
+    def _room_lock(self) -> asyncio.Lock:
         if self._room is None:
             self._room = asyncio.Lock()
-        async with self._room:  # one decision about memory at a time
-            await self._make_room(slot)
-            slot.state = "loading"
-        await asyncio.to_thread(slot.load_safely)
+        return self._room
 
     async def _make_room(self, slot: ModelSlot) -> None:
         room = self.room_for(slot)
@@ -119,21 +149,27 @@ class ModelRegistry:
             busy = [s.name for s in self.slots if s is not slot and s.holds_memory]
             retry_after = max([s.engine.retry_after_s() for s in self.slots if s.state == "ready"] or [5.0])
             raise NotReady(f"model {slot.name!r} ({room.need} bytes) does not fit [server] models_memory_bytes = "
-                           f"{room.budget} beside the loaded models {busy} ({room.held} bytes), which are busy or "
-                           "pinned; retry shortly", retry_after=retry_after)
+                           f"{room.budget} beside the loaded models {busy} ({room.held} bytes of weights, KV and "
+                           "prefix cache), which are busy or pinned; retry shortly", retry_after=retry_after)
 
     def room_for(self, slot: ModelSlot) -> Room:
-        held = sum(s.expected_bytes() for s in self.slots if s is not slot and s.holds_memory)
+        """What loading ``slot`` needs (its weights) and what the other models hold (weights, KV, prefix cache)."""
+        held = sum(s.held_bytes() for s in self.slots if s is not slot)
         return Room(need=slot.expected_bytes(), held=held, budget=self.budget)
+
+    def held_bytes(self) -> int:
+        """Bytes every model that holds memory (loading or ready) holds: weights, KV and prefix cache."""
+        return sum(s.held_bytes() for s in self.slots)
 
     def _evictable(self, slot: ModelSlot) -> list[ModelSlot]:
         return [s for s in self.slots if s is not slot and s.state == "ready" and not s.served.pin and not s.busy()]
 
     async def unload(self, slot: ModelSlot, reason: str, **fields: Any) -> None:
         """Unload ``slot`` (ready → unloaded) and wait until its memory is given back."""
-        before = slot.active_bytes
+        before, held = slot.active_bytes, slot.memory()
         freed = await asyncio.to_thread(free_engine, [slot.detach()])  # no other reference while it is freed
-        log.info("model_unloaded", model=slot.name, reason=reason, freed_bytes=freed, loaded_bytes=before, **fields)
+        log.info("model_unloaded", model=slot.name, reason=reason, freed_bytes=freed, loaded_bytes=before,
+                 **{f"{kind}_bytes": value for kind, value in held.items()}, **fields)
 
     def load_at_start(self) -> None:
         """Load the models whose policy is ``at_start``, in order (blocking; a failure raises)."""
@@ -148,10 +184,12 @@ class ModelRegistry:
                 raise
 
     def start_reaper(self) -> None:
-        """Unload idle models (``idle_unload_s``) from a task on the running event loop; none needed: nothing."""
+        """From a task on the running event loop: unload idle models (``idle_unload_s``), and under a memory budget
+        keep the loaded models within it as their caches grow. Neither needed: nothing."""
         idle = [s.served.idle_unload_s for s in self.slots if s.served.idle_unload_s > 0 and not s.served.pin]
-        if idle and self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap(min(1.0, max(0.05, min(idle) / 4))))
+        if (idle or self.budget) and self._reaper is None:
+            tick_s = min(1.0, max(0.05, min(idle) / 4)) if idle else 1.0
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(tick_s))
 
     def stop_reaper(self) -> None:
         if self._reaper is not None:
@@ -167,15 +205,39 @@ class ModelRegistry:
                 if slot.busy():
                     slot.touch()
                 elif time.monotonic() - slot.last_used >= slot.served.idle_unload_s:
-                    if self._room is None:
-                        self._room = asyncio.Lock()
-                    async with self._room:
+                    async with self._room_lock():
                         if slot.state == "ready" and not slot.busy():
                             await self.unload(slot, reason="idle", idle_unload_s=slot.served.idle_unload_s)
+            await self.keep_within_budget()
+
+    async def keep_within_budget(self) -> None:
+        """Loaded models' KV and prefix caches grow after their load: while all of them hold more than the budget,
+        unload the least recently used idle, unpinned models, never the most recently used one (whose requests
+        made the caches grow)."""
+        if not self.budget or self.held_bytes() <= self.budget:
+            return
+        async with self._room_lock():
+            loaded = [s for s in self.slots if s.holds_memory]
+            if not loaded:
+                return
+            newest = max(loaded, key=lambda s: s.last_used)
+            for victim in sorted(self._evictable(newest), key=lambda s: s.last_used):
+                held = self.held_bytes()
+                if held <= self.budget:
+                    break
+                if victim.state == "ready" and not victim.busy():
+                    await self.unload(victim, reason="budget", held_bytes=held, budget_bytes=self.budget)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each model's state, memory and requests (``/v1/status``, ``/v1/models``, ``/metrics``)."""
         return [slot.describe() for slot in self.slots]
+
+
+def _settled(future: asyncio.Future) -> asyncio.Future:
+    """``future``, its outcome marked as read: a request that stopped waiting for it (its client left) must not
+    leave an unread exception to be logged at exit; whoever still waits gets the outcome."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
 
 def free_engine(box: list[Any]) -> int:

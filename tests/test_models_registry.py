@@ -219,7 +219,8 @@ def test_the_least_recently_used_idle_model_makes_room(tmp_path, tiny_models_roo
 
     third = tiny_model_cached(tiny_models_root, "llama", seed=2)
     one = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
-    config = two_models(tmp_path, tiny_model_dir, second_model_dir, server_extra=f"models_memory_bytes = {int(one * 2.5)}")
+    # Two models with their caches and a running request fit (2.4 weights' worth), three do not.
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, server_extra=f"models_memory_bytes = {int(one * 3.2)}")
     config.write_text(config.read_text().replace("[logging]", f'[models.c]\nsource = "{third}"\n[logging]'))
     with app_client(config) as (client, _):
         for name in ["b", "a"]:  # b is used before a: the least recently used
@@ -227,3 +228,52 @@ def test_the_least_recently_used_idle_model_makes_room(tmp_path, tiny_models_roo
         assert states(client) == {"a": "ready", "b": "ready", "c": "unloaded"}
         assert complete(client, "c")[0] == 200
         assert states(client) == {"a": "ready", "b": "unloaded", "c": "ready"}
+
+
+def weight_files(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def test_the_budget_counts_each_model_s_prefix_cache_beside_its_weights(tmp_path, tiny_model_dir, second_model_dir,
+                                                                       solo):
+    """Both models' weights fit the budget, but not beside a's prefix cache: b's load unloads a, which a count of
+    weights alone would have kept; /v1/status and /metrics show what each model holds."""
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, server_extra=f"models_memory_bytes = {budget}")
+    with app_client(config) as (client, daemon):
+        status, body = complete(client, "a")
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+        a = daemon.models.resolve("a")
+        prefix = a.engine.reuse.num_bytes
+        assert prefix > 4096 + weight_files(tiny_model_dir) - a.weight_bytes  # what makes the two not fit
+        model = {m["name"]: m for m in client.get("/v1/status").json()["models"]}["a"]
+        assert (model["prefix_cache_bytes"], model["kv_bytes"]) == (prefix, 0)  # idle: no request reserves KV
+        assert model["memory_bytes"] == a.weight_bytes + prefix
+        metrics = client.get("/metrics").text
+        assert f'mlxd_model_memory_bytes{{kind="prefix_cache",model="a"}} {float(prefix)}' in metrics
+        assert f'mlxd_model_memory_bytes{{kind="held",model="a"}} {float(a.weight_bytes + prefix)}' in metrics
+        status, body = complete(client, "b")
+        assert status == 200 and body["choices"][0]["text"] == solo["b"]
+        assert states(client) == {"a": "unloaded", "b": "ready"}
+        status = client.get("/v1/status")  # the first model unloaded: the status still answers
+        assert status.status_code == 200
+        assert {m["name"]: m["memory_bytes"] for m in status.json()["models"]}["a"] == 0
+
+
+def test_caches_that_grow_past_the_budget_unload_the_least_recently_used_idle_model(tmp_path, tiny_model_dir,
+                                                                                   second_model_dir, solo):
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, b_extra='load = "at_start"',
+                        server_extra=f"models_memory_bytes = {budget}")
+    with app_client(config) as (client, daemon):
+        assert states(client) == {"a": "ready", "b": "ready"}  # the weights alone fit
+        status, body = complete(client, "a")  # a's prefix cache grows past the budget: b, idle, makes room
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+        deadline = time.monotonic() + 10
+        while states(client)["b"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert states(client) == {"a": "ready", "b": "unloaded"}
+        assert daemon.models.held_bytes() <= budget
+        status, body = complete(client, "b")  # and b comes back, a (now idle) making room
+        assert status == 200 and body["choices"][0]["text"] == solo["b"]
+        assert states(client) == {"a": "unloaded", "b": "ready"}

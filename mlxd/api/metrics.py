@@ -104,8 +104,10 @@ class ModelsCollector(Collector):
         models = self.daemon.models.describe()
         state = GaugeMetricFamily("mlxd_model_state", "1 for each model's state (unloaded, loading, ready, failed).",
                                   labels=["model", "state"])
-        memory = GaugeMetricFamily("mlxd_model_memory_bytes", "Each loaded model's memory: weights, and active (the "
-                                   "MLX active memory its load added).", labels=["model", "kind"])
+        memory = GaugeMetricFamily("mlxd_model_memory_bytes", "Each loaded model's memory: weights, kv (its running "
+                                   "requests' cache reservations), prefix_cache, held (the three, as [server] "
+                                   "models_memory_bytes counts them), and active (the MLX active memory its load "
+                                   "added).", labels=["model", "kind"])
         counters = {key: CounterMetricFamily(f"mlxd_model_{key}", f"Each model's {key} since start.", labels=["model"])
                     for key in ("requests", "loads", "unloads")}
         active = GaugeMetricFamily("mlxd_model_active", "Each model's requests in its engine.", labels=["model"])
@@ -114,6 +116,9 @@ class ModelsCollector(Collector):
             for each in self.STATES:
                 state.add_metric([name, each], 1 if model["state"] == each else 0)
             memory.add_metric([name, "weights"], model["weight_bytes"] if model["state"] == "ready" else 0)
+            memory.add_metric([name, "kv"], model["kv_bytes"])
+            memory.add_metric([name, "prefix_cache"], model["prefix_cache_bytes"])
+            memory.add_metric([name, "held"], model["memory_bytes"])
             memory.add_metric([name, "active"], model["active_bytes"])
             for key, family in counters.items():
                 family.add_metric([name], model[f"num_{key}"])
@@ -136,3 +141,19 @@ def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                               value=stats.get("num_misses", 0))
     yield CounterMetricFamily("mlxd_prefix_cache_evictions", "Prefix-cache entries evicted to stay within the "
                               "budget.", value=stats.get("num_evictions", 0))
+    if "disk" in stats:
+        yield from _disk_metrics(stats["disk"])
+
+
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
+    """The prefix cache's disk tier ([engine] prefix_cache_dir)."""
+    yield _gauge("mlxd_prefix_disk_bytes", "Bytes of files the prefix cache's disk tier holds.", disk["num_bytes"])
+    yield _gauge("mlxd_prefix_disk_entries", "Entries the prefix cache's disk tier holds.", disk["num_entries"])
+    for key, documentation in (
+            ("hits", "Prefix-cache lookups served from a file of the disk tier."),
+            ("misses", "Prefix-cache lookups that reached the disk tier and found nothing better than memory."),
+            ("bytes_read", "Bytes of files the disk tier read for lookups."),
+            ("bytes_written", "Bytes of files the disk tier wrote."),
+            ("errors", "Disk-tier files rejected (torn, truncated, altered, another model's) or not written."),
+            ("evictions", "Disk-tier files deleted to stay within prefix_cache_disk_bytes.")):
+        yield CounterMetricFamily(f"mlxd_prefix_disk_{key}", documentation, value=disk[f"num_{key}"])

@@ -59,7 +59,9 @@ class OpsController(Controller):
         prompts only for an admin key with ``[server] status_shows_prompts`` on."""
         daemon.require_loaded()
         prompts = viewers.may_see(request)
-        status = daemon.engine.status(prompts=True) if prompts else daemon.engine.status()
+        engine = daemon.engine  # None while the first model is unloaded (several models: idle, or made room)
+        status = (engine.status(prompts=True) if prompts else engine.status()) if engine is not None else {
+            "running": [], "waiting": []}
         body = {"model": daemon.name, "num_running": len(status["running"]), "num_waiting": len(status["waiting"]),
                 **status, "gc": PAUSES.status(), "models": daemon.models.describe()}
         if not is_admin(request):
@@ -73,13 +75,14 @@ class OpsController(Controller):
     async def cache_stats(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
         """Prefix-cache entries, bytes against the budget, hits by kind, misses and tokens reused."""
         daemon.require_loaded()
-        return daemon.engine.cache_stats()
+        return daemon.engine.cache_stats() if daemon.engine is not None else {"enabled": False}
 
     @delete("/v1/cache", status_code=200, opt={"access": ADMIN})
     async def clear_cache(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
         """Drop every prefix-cache entry (on the engine thread, between steps); returns the stats before."""
         daemon.require_loaded()
-        return {"cleared": await daemon.engine.clear_prefix_cache()}
+        engine = daemon.engine
+        return {"cleared": await engine.clear_prefix_cache() if engine is not None else {"enabled": False}}
 
     @get("/metrics", opt={"access": METRICS}, media_type=CONTENT_TYPE_LATEST)
     async def metrics(self, metrics: NamedDependency[Metrics]) -> Response[bytes]:

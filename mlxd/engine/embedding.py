@@ -137,6 +137,10 @@ class EmbeddingEngine:
     def cache_stats(self) -> dict[str, Any]:
         return {}  # no prefix cache: every input runs whole
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Beside its weights, nothing that outlives a pass: no KV cache is kept, no prefix cache."""
+        return {"kv": 0, "prefix_cache": 0}
+
     async def clear_prefix_cache(self) -> int:
         return 0
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxd.cache.disk import PERSIST_TIMEOUT_S
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
 from mlxd.engine.commands import Accept, Cancel, Clear, Command, EndAll, ImagesEncoded, RequestSpec, Stop
@@ -149,6 +150,9 @@ class BatchedEngine:
             self._stopping = True
         self._inbox.put((Stop(), None))
         self._thread.join(timeout=30)
+        cache = self.reuse.cache
+        if cache is not None and self.failure is None and not self._thread.is_alive():
+            cache.persist(PERSIST_TIMEOUT_S)  # the prefix cache's disk tier keeps what memory holds (a clean stop)
 
     def abort_all(self, message: str) -> None:
         """End every request the engine holds (waiting, prefilling, decoding) with ``Failed(message, 503)``.
@@ -194,6 +198,15 @@ class BatchedEngine:
         """Prefix-cache counters (thread-safe: the cache takes its own lock)."""
         return self.reuse.stats()
 
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds beside its weights, for a budget over several models (thread-safe, no MLX call):
+        ``kv``, the bytes its running requests' caches reserve (what admission counts: each row up to prompt +
+        ``max_tokens``, padded to the batch's widest reservation), and ``prefix_cache``, the bytes its prefix
+        cache's snapshots hold now."""
+        with self.core.table.lock:
+            num_kv_bytes = self.scheduler.num_reserved_bytes
+        return {"kv": num_kv_bytes, "prefix_cache": self.reuse.num_bytes}
+
     async def clear_prefix_cache(self) -> dict[str, Any]:
         """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
         loop = asyncio.get_running_loop()
@@ -230,6 +243,7 @@ class BatchedEngine:
                    if self.memory is not None else {}),
             },
             **({"distributed": self.leader.status()} if self.leader is not None else {}),
+            **({"prefix_disk": disk} if (disk := self.reuse.stats().get("disk")) is not None else {}),
         }
 
     # ---- the engine thread ----
