@@ -22,6 +22,7 @@ import mlx.core as mx
 import msgspec
 
 from mlxd.cache.prefix_cache import Hit
+from mlxd.cache.quantized import kv_quantization
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import Failed, Plain, SamplingParams
 from mlxd.engine.commands import (
@@ -130,7 +131,7 @@ class EngineCore:
         and the logits width, then run the shapes serving will use."""
         model = self.runner.model
         self.memory = measure_memory(model, limit_bytes=self.config.memory_limit_bytes,
-                                     max_kv_size=self.config.max_kv_size)
+                                     max_kv_size=self.config.max_kv_size, kv=kv_quantization(self.config))
         self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
         # Whole prompts share a pass only where caches can be merged left-padded (trimmable: prompts_to_batch);
         # elsewhere a burst would run one pass per prompt in a single step, and decoding rows would wait for all.

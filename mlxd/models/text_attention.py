@@ -60,8 +60,9 @@ class CpuTextAttention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
-        blocked = length >= MIN_QUERIES or keys.shape[2] >= MIN_KEYS
-        if blocked and not hasattr(cache, "bits") and supports(queries, keys, mask):
+        # A quantized cache hands back (packed, scales, biases) triples, which only mlx-lm's quantized attention reads.
+        blocked = not hasattr(cache, "bits") and (length >= MIN_QUERIES or keys.shape[2] >= MIN_KEYS)
+        if blocked and supports(queries, keys, mask):
             output = prompt_attention(queries, keys, values, self.scale, mask)
         else:
             output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)

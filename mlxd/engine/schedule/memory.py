@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
+from mlxd.cache.quantized import KVQuantization, check_quantized_attention
 from mlxd.engine.step.row import make_request_cache
 from mlxd.errors import ConfigError, RequestError
 
@@ -93,14 +94,20 @@ class MemoryBudget:
         return max(MIN_CACHE_BYTES, int(self.kv_budget_bytes * CACHE_SHARE))
 
 
-def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0) -> MemoryBudget:
-    """Measure the weights and a request's cache cost; ``limit_bytes`` 0 takes :func:`default_limit_bytes`.
+def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0,
+                   kv: KVQuantization | None = None) -> MemoryBudget:
+    """Measure the weights and a request's cache cost (its attention layers quantized with ``kv``: the bytes
+    per token are those of the configured bits, scales and biases included); ``limit_bytes`` 0 takes
+    :func:`default_limit_bytes`.
 
-    Raises :class:`ConfigError` when the weights alone do not fit the limit: no request could ever be served.
+    Raises :class:`ConfigError` when the weights alone do not fit the limit: no request could ever be served; and
+    when the model cannot run on quantized caches (:func:`~mlxd.cache.quantized.check_quantized_attention`).
     """
+    if kv is not None:
+        check_quantized_attention(model, make_request_cache(model, max_kv_size, kv), kv)
     limit = limit_bytes or default_limit_bytes()
-    budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size),
-                          measure_pass_bytes(model, max_kv_size))
+    budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size, kv),
+                          measure_pass_bytes(model, max_kv_size, kv=kv))
     if budget.kv_budget_bytes <= 0:
         origin = "[engine] memory_limit_bytes" if limit_bytes else "the default memory limit"
         raise ConfigError(
@@ -115,10 +122,10 @@ def weights_bytes(model: Any) -> int:
     return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
 
 
-def measure_kv_cost(model: Any, max_kv_size: int = 0) -> KVCost:
+def measure_kv_cost(model: Any, max_kv_size: int = 0, kv: KVQuantization | None = None) -> KVCost:
     """Feed ``step`` and ``2 * step`` tokens into fresh request caches and read what each layer holds."""
     step = KVCache.step
-    short, long = _layer_bytes(model, step, max_kv_size), _layer_bytes(model, 2 * step, max_kv_size)
+    short, long = _layer_bytes(model, step, max_kv_size, kv), _layer_bytes(model, 2 * step, max_kv_size, kv)
     fixed = per_token = 0
     windows: dict[int, int] = {}
     for (n_short, window), (n_long, _) in zip(short, long, strict=True):
@@ -141,18 +148,19 @@ PASS_PROBE_TOKENS = 128
 PASS_ESTIMATE_FACTOR = 3
 
 
-def measure_pass_bytes(model: Any, max_kv_size: int = 0, evaluate: bool | None = None) -> int:
+def measure_pass_bytes(model: Any, max_kv_size: int = 0, evaluate: bool | None = None,
+                       kv: KVQuantization | None = None) -> int:
     """Bytes per token one prompt pass holds at its peak (activations, every position's logits, the KV it writes),
     from evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens into a fresh request cache; or, where ``evaluate`` is
     off (default: on the CPU), :data:`PASS_ESTIMATE_FACTOR` times one position's logits, read from the graph's
     shape without evaluating it."""
     if not (mx.default_device() != mx.cpu if evaluate is None else evaluate):
-        logits = model(mx.zeros((1, 1), dtype=mx.uint32), cache=make_request_cache(model, max_kv_size))
+        logits = model(mx.zeros((1, 1), dtype=mx.uint32), cache=make_request_cache(model, max_kv_size, kv))
         return PASS_ESTIMATE_FACTOR * logits.shape[-1] * logits.dtype.size
     mx.eval(model.parameters())
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    cache = make_request_cache(model, max_kv_size)
+    cache = make_request_cache(model, max_kv_size, kv)
     logits = model(mx.zeros((1, PASS_PROBE_TOKENS), dtype=mx.uint32), cache=cache)
     mx.eval(logits[:, -1, :])
     num_bytes = max(0, mx.get_peak_memory() - before)
@@ -184,9 +192,10 @@ def max_pass_tokens(budget: MemoryBudget, step_token_budget: int, wide: bool | N
     return max(step_token_budget, min(MAX_PASS_TOKENS, tokens))
 
 
-def _layer_bytes(model: Any, num_tokens: int, max_kv_size: int) -> list[tuple[int, int | None]]:
+def _layer_bytes(model: Any, num_tokens: int, max_kv_size: int,
+                 kv: KVQuantization | None) -> list[tuple[int, int | None]]:
     """Each layer's ``(nbytes, window)`` after one forward pass of ``num_tokens`` tokens (shapes only)."""
-    cache = make_request_cache(model, max_kv_size)
+    cache = make_request_cache(model, max_kv_size, kv)
     model(mx.zeros((1, num_tokens), dtype=mx.uint32), cache=cache)
     return [(layer.nbytes, _window(layer)) for layer in cache]
 

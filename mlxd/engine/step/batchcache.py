@@ -1,6 +1,8 @@
 """Rows of a batched cache taken out or re-arranged with as few reads from the device as mlx-lm's cache protocol
 allows: its ``filter`` and ``extract`` read each attention layer's left padding back (a wait for the device per layer),
-where every attention layer of a batch holds the same padding."""
+where every attention layer of a batch holds the same padding. Attention layers are mlx-lm's ``BatchKVCache`` and,
+with ``[engine] kv_bits``, :class:`~mlxd.cache.quantized.BatchQuantizedKVCache` (keys and values as quantized
+triples, the same layout)."""
 
 from __future__ import annotations
 
@@ -9,25 +11,32 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxd.cache.quantized import BatchQuantizedKVCache
+
+_ATTENTION = (BatchKVCache, BatchQuantizedKVCache)
+
 
 def gather_rows(cache: list[Any], rows: mx.array, trim: bool) -> None:
     """Keep the batched cache's ``rows`` (in that order, repeats allowed), as mlx-lm's ``filter`` does, and with
     ``trim`` drop the left padding they all have. ``filter`` reads that padding back from the device in every layer
-    (36 waits for the device per change of rows with an 8B model); attention layers (``BatchKVCache``) hold equal
-    paddings, since every layer's rows are merged, extended and filtered alike, so here it is read once, and only
-    when ``trim`` asks. Other layers (recurrent, rotating) go through their own ``filter``."""
+    (36 waits for the device per change of rows with an 8B model); attention layers hold equal paddings, since every
+    layer's rows are merged, extended and filtered alike, so here it is read once, and only when ``trim`` asks.
+    Other layers (recurrent, rotating) go through their own ``filter``."""
     shift = None
     for layer in cache:
-        if type(layer) is not BatchKVCache:
+        if type(layer) not in _ATTENTION:
             layer.filter(rows)
+            continue
+        if shift is None:
+            shift = min(layer.left_padding[rows].tolist()) if trim else 0
+        if type(layer) is BatchQuantizedKVCache:
+            layer.take_rows(rows, shift)
             continue
         keys, values, offset, left_padding, filled = layer.state
         keys = keys[rows] if keys is not None else None
         values = values[rows] if values is not None else None
         left_padding = left_padding[rows]
-        if trim and shift is None:
-            shift = min(left_padding.tolist())
-        if trim and shift > 0:
+        if shift > 0:
             if keys is not None:
                 keys, values = keys[..., shift:, :], values[..., shift:, :]
             filled, left_padding = filled - shift, left_padding - shift
@@ -41,12 +50,15 @@ def extract_row(cache: list[Any], index: int) -> list[Any]:
     2,304 waits for the device with an 8B model."""
     padding, lone = None, []
     for layer in cache:
-        if type(layer) is not BatchKVCache:
+        if type(layer) not in _ATTENTION:
             lone.append(layer.extract(index))
             continue
-        keys, values, _, left_padding, filled = layer.state
         if padding is None:
-            padding = left_padding[index].item()
+            padding = layer.left_padding[index].item()
+        if type(layer) is BatchQuantizedKVCache:
+            lone.append(layer.extract_at(index, padding))
+            continue
+        keys, values, _, _, filled = layer.state
         row = KVCache()
         keys = mx.contiguous(keys[index : index + 1, :, padding:filled])
         row.state = (keys, mx.contiguous(values[index : index + 1, :, padding:filled]), keys.shape[2])

@@ -12,6 +12,7 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from mlxd.cache.quantized import KVQuantization, quantize_layers
 from mlxd.engine.base import EngineRequest, SamplingParams
 from mlxd.engine.speculative.state import SpecState
 from mlxd.engine.step.penalties import penalty_key
@@ -85,9 +86,11 @@ class Row:
     def for_request(cls, request_id: str, params: SamplingParams, model: Any, max_kv_size: int,
                     cache: list[Any] | None = None, *,
                     make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
-                    extra_processors: list | None = None, num_logprobs: int | None = None) -> Row:
-        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache.
-        ``extra_processors`` (a request's constraints) run after the penalties and bias."""
+                    extra_processors: list | None = None, num_logprobs: int | None = None,
+                    kv: KVQuantization | None = None) -> Row:
+        """A row for a request; ``cache`` is state to continue from (a prefix-cache hit), else a fresh cache
+        (quantized attention layers with ``kv``). ``extra_processors`` (a request's constraints) run after the
+        penalties and bias."""
         return cls(
             request_id=request_id,
             params=params,
@@ -95,7 +98,7 @@ class Row:
             sampler_key=sampler_group(params, request_id),
             processors=make_request_processors(params) + list(extra_processors or ()),
             penalties=penalty_key(params) if not extra_processors else None,
-            cache=cache if cache is not None else make_request_cache(model, max_kv_size),
+            cache=cache if cache is not None else make_request_cache(model, max_kv_size, kv),
             num_logprobs=num_logprobs,
         )
 
@@ -162,12 +165,15 @@ def logits_width(model: Any) -> int:
     return model(mx.array([[0]], dtype=mx.uint32), cache=make_request_cache(model)).shape[-1]
 
 
-def make_request_cache(model: Any, max_kv_size: int = 0) -> list[Any]:
-    """A request's own cache: the model's, or one ``RotatingKVCache`` per layer when ``max_kv_size`` is set.
+def make_request_cache(model: Any, max_kv_size: int = 0, kv: KVQuantization | None = None) -> list[Any]:
+    """A request's own cache: the model's, or one ``RotatingKVCache`` per layer when ``max_kv_size`` is set; with
+    ``kv``, its attention layers quantized (:func:`mlxd.cache.quantized.quantize_layers`).
 
     The rotating cache keeps no leading tokens (``keep=0``, where ``generate_step`` keeps 4): mlx-lm's batched
     rotating cache has no such option, and a request must attend to the same tokens alone and in a batch.
     """
+    if kv is not None:
+        return quantize_layers(make_prompt_cache(model), kv)
     if not max_kv_size or hasattr(model, "make_cache"):
         return make_prompt_cache(model)
     return [RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]

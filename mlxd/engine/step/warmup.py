@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from mlxd.cache.quantized import kv_quantization
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import SamplingParams
 from mlxd.engine.step.batch import DecodeBatch
@@ -254,7 +255,7 @@ class _Timed:
 
 
 def _row(model: Any, config: EngineConfig, tag: Any) -> Row:
-    return Row.for_request(f"warm-up-{tag}", SamplingParams(), model, config.max_kv_size)
+    return Row.for_request(f"warm-up-{tag}", SamplingParams(), model, config.max_kv_size, kv=kv_quantization(config))
 
 
 def _tokens(n: int) -> list[int]:
