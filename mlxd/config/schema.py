@@ -167,6 +167,13 @@ class EngineConfig(Base):
     prefill_chunk: Annotated[int, msgspec.Meta(ge=1, le=8192)] = 512
     # Rotating KV cache size (tokens); 0 keeps the whole context.
     max_kv_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
+    # Keys and values of attention layers held at this many bits a feature (plus a scale and a bias per group of
+    # kv_group_size features), in the decode batch and the prefix cache alike: 8 bits take about half the bytes of
+    # 16, 4 bits about a quarter (mlxd/cache/quantized.py). Unset: the model's dtype. Refused at start-up, with the
+    # reason, where a model's caches or attention cannot be quantized (sliding-window layers, vision models, head
+    # sizes that are not a multiple of kv_group_size, attention sinks) and with max_kv_size.
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
     # Decode steps per batch size during warm-up, before /health turns ready.
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     # Decode steps and prompt groups run at bucketed row counts (1, 2, 4, 8, then multiples of 8), padded with inert
@@ -196,6 +203,11 @@ class EngineConfig(Base):
     # a share of RAM on the CPU.
     memory_limit_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] = 0
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    def __post_init__(self) -> None:
+        if self.kv_bits is not None and self.max_kv_size:
+            raise ValueError(f"kv_bits = {self.kv_bits} cannot be used with max_kv_size = {self.max_kv_size}: "
+                             "mlx-lm's rotating KV cache has no quantized form; unset one of them")
 
 
 class VisionConfig(Base):
