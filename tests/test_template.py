@@ -17,7 +17,10 @@ def test_checkpoint_is_where_the_next_turn_diverges(tiny_model_dir):
     first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three colours."}]
     job = Job(request_id="a", model="tiny", messages=first)
     stage.prepare(job)
-    (boundary,) = job.checkpoints
+    # The checkpoints: where the system prompt ends, and where the last message does.
+    system_end, boundary = job.checkpoints
+    system = tokenizer.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=False)
+    assert job.prompt_ids[:system_end] == tokenizer.encode(system, add_special_tokens=False)
     bare = tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=False)
     assert job.prompt_ids[:boundary] == tokenizer.encode(bare, add_special_tokens=False)
     # The next turn shares exactly the tokens up to the checkpoint (and possibly more).

@@ -13,6 +13,10 @@ The pipeline speaks the OpenAI chat shape (plain dicts), so a request is transla
 - Assistant ``text`` blocks are joined into ``content``; ``tool_use`` blocks become ``tool_calls`` (arguments: the
   input as JSON); ``thinking`` blocks become ``reasoning_content``, which templates that keep reasoning in the
   current turn's history (Qwen3's) render as the model wrote it; ``redacted_thinking`` is opaque and dropped.
+- ``cache_control`` on a text block (system or message) or a tool result is a cache breakpoint where that text
+  ends (a marker in the text: :class:`~mlxd.pipeline.stages.template_points.Breakpoints`, located and removed by
+  ``template``); on a tool use or thinking block, where the assistant's text so far ends. On a tool it is the end of
+  the tool definitions, where ``template`` snapshots every prompt anyway; on an image, not a position of its own.
 - Tools Anthropic defines or runs (a ``type`` other than ``custom``) are left out of the prompt and named in a
   log line; ``tool_choice`` ``any`` is ``required``, ``tool`` a named function.
 - ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` sets the template's ``enable_thinking``; absent, the
@@ -56,6 +60,7 @@ from mlxd.log import get_logger
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import ModelInfo
 from mlxd.pipeline.stages.normalize import strip_billing_header
+from mlxd.pipeline.stages.template_points import Breakpoints
 
 log = get_logger("mlxd.api")
 
@@ -87,10 +92,13 @@ def prompt_job(body: MessagesRequest | CountTokensRequest, model: str) -> Job:
         raise RequestError("the last message must not be an assistant message: mlxd does not continue (prefill) "
                            "an assistant turn", param="messages")
     choice, tools = intent.resolve_tool_choice(_tool_choice(body.tool_choice), _tools(body.tools), WORDS)
+    marks = Breakpoints(new_message_id())
+    messages = chat_messages(body, marks)
     return Job(
-        request_id=new_message_id(),
+        request_id=marks.request_id,
         model=model,
-        messages=chat_messages(body),
+        messages=messages,
+        cache_breakpoints=tuple(marks.marks),
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use),
@@ -103,22 +111,28 @@ def check_vocabulary(body: MessagesRequest, model: ModelInfo | None) -> None:
     intent.check_vocabulary(model, top_k=body.top_k)
 
 
-def chat_messages(body: PromptFields) -> list[dict[str, Any]]:
-    """The request's system prompt and messages as OpenAI-shaped chat messages."""
+def chat_messages(body: PromptFields, marks: Breakpoints) -> list[dict[str, Any]]:
+    """The request's system prompt and messages as OpenAI-shaped chat messages, a marker from ``marks`` where
+    each cache breakpoint falls."""
     out = []
-    if (system := _system(body.system)) is not None:
+    if (system := _system(body.system, marks)) is not None:
         out.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
         if message.role == "user":
-            out.extend(_user(i, message))
+            out.extend(_user(i, message, marks))
         elif message.role == "assistant":
-            out.append(_assistant(i, message))
+            out.append(_assistant(i, message, marks))
         else:
-            out.append({"role": "system", "content": _system(message.content, i) or ""})
+            out.append({"role": "system", "content": _system(message.content, marks, i) or ""})
     return out
 
 
-def _system(system: str | list[Any] | None, index: int = 0) -> str | None:
+def _marked(text: str, block: Any, marks: Breakpoints) -> str:
+    """``text``, with a breakpoint marker after it when ``block`` asks for one (``cache_control``)."""
+    return marks.after(text) if block.cache_control else text
+
+
+def _system(system: str | list[Any] | None, marks: Breakpoints, index: int = 0) -> str | None:
     """A system prompt's text; ``index`` names a system message in mid-conversation in errors (the top-level
     ``system`` holds text blocks only: its schema checks that)."""
     if isinstance(system, str):
@@ -128,7 +142,7 @@ def _system(system: str | list[Any] | None, index: int = 0) -> str | None:
         if not isinstance(block, TextBlock):
             raise RequestError(f"system messages take text blocks, not {block.__struct_config__.tag}",
                                param=_where(index, j))
-        texts.append(_without_billing_header(block.text))
+        texts.append(_marked(_without_billing_header(block.text), block, marks))
     return "".join(texts) or None
 
 
@@ -138,7 +152,7 @@ def _without_billing_header(text: str) -> str:
     return strip_billing_header({"role": "system", "content": text})["content"]
 
 
-def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
+def _user(index: int, message: MessageParam, marks: Breakpoints) -> list[dict[str, Any]]:
     """A user message: its tool results as ``tool`` messages, its text and images as a user message, in the order
     the blocks come."""
     if isinstance(message.content, str):
@@ -150,9 +164,9 @@ def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
             if parts:
                 out.append(_user_message(parts))
                 parts = []
-            out.append(_tool_result(index, j, block))
+            out.append(_tool_result(index, j, block, marks))
         elif isinstance(block, TextBlock | ImageBlock):
-            parts.append(_part(index, j, block))
+            parts.append(_part(index, j, block, marks))
         elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):
             raise RequestError(f"a {block.__struct_config__.tag} block belongs in an assistant message",
                                param=_where(index, j))
@@ -168,16 +182,18 @@ def _user_message(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "user", "content": parts}
 
 
-def _assistant(index: int, message: MessageParam) -> dict[str, Any]:
+def _assistant(index: int, message: MessageParam, marks: Breakpoints) -> dict[str, Any]:
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            texts.append(_marked(block.text, block, marks))
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
+            texts.append(_marked("", block, marks))
         elif isinstance(block, ToolUseBlock):
+            texts.append(_marked("", block, marks))
             arguments = json.dumps(block.input, ensure_ascii=False)
             function = {"name": block.name, "arguments": arguments}
             calls.append({"id": block.id, "type": "function", "function": function})
@@ -192,20 +208,23 @@ def _assistant(index: int, message: MessageParam) -> dict[str, Any]:
     return out
 
 
-def _tool_result(index: int, j: int, block: ToolResultBlock) -> dict[str, Any]:
+def _tool_result(index: int, j: int, block: ToolResultBlock, marks: Breakpoints) -> dict[str, Any]:
     content: str | list[dict[str, Any]]
     if isinstance(block.content, str):
-        content = f"Error: {block.content}" if block.is_error else block.content
+        content = _marked(f"Error: {block.content}" if block.is_error else block.content, block, marks)
     else:
-        content = [_part(index, j, b) for b in block.content]
+        content = [_part(index, j, b, marks) for b in block.content]
         if block.is_error:
             content.insert(0, {"type": "text", "text": "Error:"})
+        texts = [part for part in content if part["type"] == "text"]
+        if texts and block.cache_control:
+            texts[-1]["text"] = marks.after(texts[-1]["text"])
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
 
 
-def _part(index: int, j: int, block: TextBlock | ImageBlock) -> dict[str, Any]:
+def _part(index: int, j: int, block: TextBlock | ImageBlock, marks: Breakpoints) -> dict[str, Any]:
     if isinstance(block, TextBlock):
-        return {"type": "text", "text": block.text}
+        return {"type": "text", "text": _marked(block.text, block, marks)}
     source = block.source
     if isinstance(source, FileSource):
         raise RequestError("image sources of type 'file' (the Files API) are not supported; send the image as "

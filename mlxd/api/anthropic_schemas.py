@@ -2,9 +2,10 @@
 
 Requests reject unknown top-level fields, like the OpenAI ones (``mlxd.api.schemas``); the fields marked
 ``NO-OP`` are accepted because current clients (the ``anthropic`` SDKs, Claude Code) send them, and have no effect.
-Content blocks, tools and the small option objects accept extra keys (``cache_control`` and ``citations`` on any
-block, ``caller`` on tool uses...): clients echo back whatever earlier responses held. Blocks are tagged unions on
-``type``, so a block type mlxd does not know is a 400 naming where it is.
+Content blocks, tools and the small option objects accept extra keys (``citations`` on any block, ``caller`` on
+tool uses...): clients echo back whatever earlier responses held. Blocks are tagged unions on
+``type``, so a block type mlxd does not know is a 400 naming where it is. ``cache_control`` marks a cache breakpoint
+(:mod:`mlxd.api.anthropic_jobs`).
 
 Responses and stream events carry their ``type`` as the struct's tag, so it is written first, as Anthropic does.
 """
@@ -28,7 +29,8 @@ Temperature = Annotated[float, Meta(description="0 is greedy", ge=0, le=1,
 
 
 class Block(Lenient, tag_field="type"):
-    cache_control: Any = None  # NO-OP: mlxd caches every prompt prefix by itself
+    # A cache breakpoint: the prompt's state is snapshotted where this block ends (mlxd.api.anthropic_jobs).
+    cache_control: Any = None
 
 
 class TextBlock(Block, tag="text", kw_only=True):
@@ -95,7 +97,7 @@ class Tool(Lenient, kw_only=True):
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
-    cache_control: Any = None  # NO-OP
+    cache_control: Any = None  # the end of the tool definitions: snapshotted for every request
 
 
 class ToolChoiceBase(Lenient, tag_field="type"):
@@ -149,8 +151,9 @@ class PromptFields(Strict, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
-    # NO-OP fields: accepted, no effect.
+    # Automatic caching: a breakpoint at the end of the last message, where every prompt is snapshotted anyway.
     cache_control: Any = None
+    # NO-OP fields: accepted, no effect.
     context_management: Any = None
     mcp_servers: Any = None
     output_config: Any = None

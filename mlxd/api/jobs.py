@@ -69,6 +69,7 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         response_format=_response_format(body),
         num_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         speculative=body.speculative,
+        prompt_cache_key=body.prompt_cache_key,
     )
 
 

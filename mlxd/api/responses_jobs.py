@@ -69,6 +69,7 @@ def responses_job(body: ResponsesRequest, model: str, defaults: SamplingDefaults
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=_response_format(body),
+        prompt_cache_key=body.prompt_cache_key,
     )
     return job, _settings(body, model, job, echoed_tools)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from mlxd.api.schemas import Lenient, MaxTokens, Strict, Temperature, TopLogprobs, TopP
+from mlxd.api.schemas import Lenient, MaxTokens, PromptCacheKey, Strict, Temperature, TopLogprobs, TopP
 
 # ---- request ----
 
@@ -65,13 +65,14 @@ class ResponsesRequest(Strict, kw_only=True):
     background: bool | None = None  # false (or absent) only
     # Accepted; "message.output_text.logprobs" is refused, the other values are NO-OPs.
     include: list[str] | None = None
+    # Requests sharing a key snapshot their prompt where it parts from the key's previous one (as chat's).
+    prompt_cache_key: PromptCacheKey | None = None
     # NO-OP fields: accepted, no effect.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     client_metadata: dict[str, Any] | None = None

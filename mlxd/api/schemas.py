@@ -107,6 +107,9 @@ class ResponseFormat(Lenient, kw_only=True):
     json_schema: dict[str, Any] | None = None
 
 
+PromptCacheKey = Annotated[str, Meta(max_length=1024)]
+
+
 class SamplingFields(Strict, kw_only=True):
     """Fields shared by chat and text completions."""
 
@@ -148,6 +151,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Requests sharing a key snapshot their prompt where it parts from the key's previous one (the shared prefix),
+    # so that the next request of that family reuses all of it (mlxd.pipeline.stages.template_points).
+    prompt_cache_key: PromptCacheKey | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

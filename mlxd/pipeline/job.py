@@ -44,12 +44,19 @@ class Job:
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}
     num_logprobs: int | None = None  # None: none; k: the chosen token's and the top k alternatives' logprobs
+    # Client cache breakpoints (Anthropic ``cache_control``): markers the API wrote into the messages' text where
+    # each breakpoint falls (``mlxd.pipeline.stages.template_points.Breakpoints``); ``template`` locates and removes
+    # them. ``prompt_cache_key`` (OpenAI): requests sharing it snapshot where they part from the previous one.
+    cache_breakpoints: tuple[str, ...] = ()
+    prompt_cache_key: str | None = None
     # Filled by stages.
     images: list[Any] = field(default_factory=list)  # decoded (mlxd.media), in prompt order: vision models only
     media: Media | None = None  # the images processed for the model, with their placeholder spans
     prompt_text: str = ""
     prompt_ids: list[int] = field(default_factory=list)
-    checkpoints: tuple[int, ...] = ()  # where the last message ends (``template``): a snapshot worth taking
+    # Prompt positions worth a snapshot (``template``): where the last message ends, where the system prompt and
+    # tools end, the client's breakpoints, where the prompt parts from its prompt_cache_key's previous one.
+    checkpoints: tuple[int, ...] = ()
     route: str = ""  # "text" or "vision": set by ``route``; the engine acts on it
     speculative: bool | None = None  # the body's "speculative": None leaves it to [engine.speculative] default
     decode: DecodeMode = Plain()  # set by ``route``
@@ -76,6 +83,6 @@ class Job:
 REQUEST_FIELDS = frozenset({
     "request_id", "model", "messages", "prompt", "tools", "template_kwargs", "max_tokens", "clamp_max_tokens",
     "sampling", "stop", "tool_choice", "parallel_tool_calls", "response_format", "num_logprobs", "speculative",
-    "extra",
+    "cache_breakpoints", "prompt_cache_key", "extra",
 })
 JOB_FIELDS = frozenset(f.name for f in fields(Job))

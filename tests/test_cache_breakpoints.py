@@ -1,0 +1,213 @@
+"""Snapshots where agents want them: the end of the system prompt and tools, Anthropic ``cache_control``
+breakpoints, OpenAI ``prompt_cache_key``; a hybrid model (its cache cannot be trimmed: it is reused only where a
+snapshot was taken) then reuses exactly those prefixes, and the usage reports exactly what was reused."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlxd.api.anthropic_jobs import prompt_job
+from mlxd.api.anthropic_schemas import MessagesRequest
+from mlxd.config.load import convert
+from mlxd.pipeline.stage import ModelInfo, PipelineContext
+from mlxd.pipeline.stages.template import Template, TemplateConfig
+from mlxd.pipeline.stages.template_points import SharedPrefixes
+from tests.helpers import app_client, write_config
+from tests.support import tool_templates
+from tests.support.tiny import CHAT_TEMPLATE
+
+SYSTEM = "You are a coding agent. " + "Follow the repository's rules, read files before editing them. " * 10
+PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+OPENAI_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+                                                  "parameters": PARAMETERS}}]
+ANTHROPIC_TOOLS = [{"name": "read_file", "description": "Read a file.", "input_schema": PARAMETERS,
+                    "cache_control": {"type": "ephemeral"}}]
+EPHEMERAL = {"type": "ephemeral"}
+
+
+def block_length(model_dir) -> int:
+    """Tokens of the system prompt and tool definitions, as the model's own chat template renders them alone."""
+    tokenizer = load_tokenizer(model_dir)
+    text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tools=OPENAI_TOOLS,
+                                         tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def anthropic(client, user: str) -> dict:
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "tools": ANTHROPIC_TOOLS,
+            "system": [{"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": user, "cache_control": EPHEMERAL}]}]}
+    response = client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat(client, messages: list[dict], **extra) -> dict:
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": messages, **extra}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def openai(client, user: str) -> dict:
+    return chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                tools=OPENAI_TOOLS)
+
+
+def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(tiny_qwen3_next_dir, tmp_path):
+    n = block_length(tiny_qwen3_next_dir)
+    assert n > 64
+    with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
+        first = anthropic(client, "List the files in the repository, please.")
+        assert first["usage"]["cache_read_input_tokens"] == 0
+        second = anthropic(client, "What does the parser in this project do?")
+        assert second["usage"]["cache_read_input_tokens"] == n, second["usage"]
+        client.delete("/v1/cache").raise_for_status()
+        cold = anthropic(client, "What does the parser in this project do?")
+        assert cold["usage"]["cache_read_input_tokens"] == 0
+        assert cold["content"] == second["content"]
+        assert cold["usage"]["input_tokens"] == second["usage"]["input_tokens"] + n
+
+
+def test_a_new_openai_conversation_reuses_the_whole_system_prompt_and_tools(tiny_qwen3_next_dir, tmp_path):
+    n = block_length(tiny_qwen3_next_dir)
+    with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
+        assert openai(client, "List the files, please.")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        second = openai(client, "Open the parser and explain it.")
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n, second["usage"]
+        client.delete("/v1/cache").raise_for_status()
+        assert openai(client, "Open the parser and explain it.")["choices"] == second["choices"]
+
+
+def staged(model_dir, chat_template: str | None) -> tuple[Template, object]:
+    tokenizer = load_tokenizer(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    stage = Template(convert({}, TemplateConfig, "test"))
+    stage.warm_up(PipelineContext(None, ModelInfo("tiny", 4096, frozenset(), frozenset()), tokenizer, None))
+    return stage, tokenizer
+
+
+BREAKPOINT_TEXTS = ("Read before you edit.", "Find the parser.", "Fix it now.")
+
+
+def breakpoint_body(cache_control: dict | None) -> MessagesRequest:
+    def block(text: str) -> dict:
+        return {"type": "text", "text": text, **({"cache_control": cache_control} if cache_control else {})}
+
+    tools = [{"name": "search", "input_schema": {"type": "object", "properties": {"q": {"type": "string"}},
+                                                 "required": ["q"]}}]
+    return msgspec.convert({
+        "model": "tiny", "max_tokens": 5, "tools": tools,
+        "system": [{"type": "text", "text": "You are a careful agent. "}, block(BREAKPOINT_TEXTS[0])],
+        "messages": [{"role": "user", "content": [block(BREAKPOINT_TEXTS[1])]},
+                     {"role": "assistant", "content": "It is in parse.py."},
+                     {"role": "user", "content": [block(BREAKPOINT_TEXTS[2])]}]}, MessagesRequest)
+
+
+TEMPLATES = ["QWEN3_TEMPLATE", "QWEN3_CODER_TEMPLATE", "LLAMA31_TEMPLATE", "MISTRAL_TEMPLATE", "GLM45_TEMPLATE",
+             "DEEPSEEK_V31_TEMPLATE", "SEED_OSS_TEMPLATE"]
+
+
+@pytest.mark.parametrize("template", [None, *TEMPLATES])
+def test_cache_control_breakpoints_map_to_exact_token_offsets(template, tiny_model_dir):
+    stage, tokenizer = staged(tiny_model_dir, getattr(tool_templates, template) if template else None)
+    job = prompt_job(breakpoint_body(EPHEMERAL), "tiny")
+    stage.prepare(job)
+    plain = prompt_job(breakpoint_body(None), "tiny")
+    stage.prepare(plain)
+    # The markers leave no trace: the prompt is the one the same request without breakpoints renders.
+    assert job.prompt_text == plain.prompt_text and job.prompt_ids == plain.prompt_ids
+    assert "mlxd-cache-point" not in repr(job.messages)
+    for text in BREAKPOINT_TEXTS:
+        offset = job.prompt_text.index(text) + len(text)
+        # The oracle: the token position whose tokens are exactly the prompt's text up to the breakpoint.
+        at = [p for p in range(1, len(job.prompt_ids)) if tokenizer.decode(job.prompt_ids[:p]) ==
+              job.prompt_text[:offset]]
+        assert at and at[0] in job.checkpoints, (template, text, job.checkpoints)
+    # Every checkpoint is a clean token boundary of the prompt text.
+    for p in job.checkpoints:
+        assert job.prompt_text.startswith(tokenizer.decode(job.prompt_ids[:p]))
+    # Without breakpoints, only the end of the system prompt and tools and the end of the last message remain (a
+    # template whose generation prompt is empty, Mistral's, has no such end).
+    assert set(plain.checkpoints) < set(job.checkpoints) and 1 <= len(plain.checkpoints) <= 2
+
+
+def test_the_system_block_ends_where_the_next_conversation_parts(tiny_model_dir):
+    stage, tokenizer = staged(tiny_model_dir, None)
+    jobs = []
+    for user in ("List the files.", "Explain the parser."):
+        job = prompt_job(msgspec.convert({"model": "tiny", "max_tokens": 5, "system": SYSTEM, "tools": [
+            {k: v for k, v in ANTHROPIC_TOOLS[0].items() if k != "cache_control"}],
+            "messages": [{"role": "user", "content": user}]}, MessagesRequest), "tiny")
+        stage.prepare(job)
+        jobs.append(job)
+    n = block_length(tiny_model_dir)
+    assert n in jobs[0].checkpoints and n in jobs[1].checkpoints
+    assert jobs[0].prompt_ids[:n] == jobs[1].prompt_ids[:n]
+
+
+def test_a_marker_that_changes_the_render_is_dropped_not_guessed(tiny_model_dir):
+    trimming = CHAT_TEMPLATE.replace("render_content(message.content) + '<|im_end|>",
+                                     "(render_content(message.content) | trim) + '<|im_end|>")
+    assert trimming != CHAT_TEMPLATE
+    stage, tokenizer = staged(tiny_model_dir, trimming)
+
+    def body(cache_control: dict | None) -> MessagesRequest:
+        block = {"type": "text", "text": "Trailing spaces   ", **({"cache_control": cache_control} if cache_control else {})}
+        return msgspec.convert({"model": "tiny", "max_tokens": 5, "messages": [
+            {"role": "user", "content": [block]}, {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "Again."}]}, MessagesRequest)
+
+    job, plain = prompt_job(body(EPHEMERAL), "tiny"), prompt_job(body(None), "tiny")
+    stage.prepare(job)
+    stage.prepare(plain)
+    # The marker kept the spaces from the trim: its render is not the prompt, so the breakpoint has no position.
+    assert job.prompt_text == plain.prompt_text and "Trailing spaces<|im_end|>" in job.prompt_text
+    assert job.checkpoints == plain.checkpoints
+
+
+def test_shared_prefixes_remember_the_last_prompt_of_each_key():
+    shared = SharedPrefixes(max_keys=2)
+    assert shared.shared("a", [1, 2, 3, 4]) == 0
+    assert shared.shared("a", [1, 2, 9]) == 2
+    assert shared.shared("a", [1, 2, 9, 7]) == 3
+    assert shared.shared("b", [1, 2]) == 0 and shared.shared("c", [5]) == 0
+    assert shared.shared("a", [1, 2, 9]) == 0  # the least recently used key was forgotten
+
+
+SHARED = "Repository notes for the session: " + "the parser reads tokens, the checker verifies types. " * 6
+
+
+def key_prompt_ids(model_dir, tail: str) -> list[int]:
+    tokenizer = load_tokenizer(model_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SHARED + tail}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("surface", ["chat", "responses"])
+def test_prompt_cache_key_snapshots_the_prefix_its_requests_share(surface, tiny_qwen3_next_dir, tmp_path):
+    tails = ["Question alpha: where is main?", "Question bravo: what is the checker?", "Question charlie: why?"]
+    ids = [key_prompt_ids(tiny_qwen3_next_dir, tail) for tail in tails]
+    shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
+    assert shared > 64 and ids[2][:shared] == ids[0][:shared]
+
+    def send(client, tail: str, key: str | None) -> int:
+        extra = {"prompt_cache_key": key} if key else {}
+        if surface == "chat":
+            return chat(client, [{"role": "user", "content": SHARED + tail}],
+                        **extra)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        response = client.post("/v1/responses", json={"model": "tiny", "input": SHARED + tail, "temperature": 0,
+                                                      "max_output_tokens": 6, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
+        # Without a key, a hybrid model has no snapshot where these prompts part: nothing is reused.
+        assert [send(client, tail, None) for tail in tails] == [0, 0, 0]
+        client.delete("/v1/cache").raise_for_status()
+        # With one: the second request snapshots where it parts from the first; the third reuses all of that.
+        assert [send(client, tail, "agent-7") for tail in tails] == [0, 0, shared]
