@@ -141,3 +141,19 @@ def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
                               value=stats.get("num_misses", 0))
     yield CounterMetricFamily("mlxd_prefix_cache_evictions", "Prefix-cache entries evicted to stay within the "
                               "budget.", value=stats.get("num_evictions", 0))
+    if "disk" in stats:
+        yield from _disk_metrics(stats["disk"])
+
+
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
+    """The prefix cache's disk tier ([engine] prefix_cache_dir)."""
+    yield _gauge("mlxd_prefix_disk_bytes", "Bytes of files the prefix cache's disk tier holds.", disk["num_bytes"])
+    yield _gauge("mlxd_prefix_disk_entries", "Entries the prefix cache's disk tier holds.", disk["num_entries"])
+    for key, documentation in (
+            ("hits", "Prefix-cache lookups served from a file of the disk tier."),
+            ("misses", "Prefix-cache lookups that reached the disk tier and found nothing better than memory."),
+            ("bytes_read", "Bytes of files the disk tier read for lookups."),
+            ("bytes_written", "Bytes of files the disk tier wrote."),
+            ("errors", "Disk-tier files rejected (torn, truncated, altered, another model's) or not written."),
+            ("evictions", "Disk-tier files deleted to stay within prefix_cache_disk_bytes.")):
+        yield CounterMetricFamily(f"mlxd_prefix_disk_{key}", documentation, value=disk[f"num_{key}"])

@@ -17,6 +17,10 @@ Engine-agnostic; what an engine does with it, per request:
 The first write into a cache that shares buffers with a snapshot (a handed-out cache, or the engine's own cache
 right after ``insert``) copies the buffer it writes into; later writes do not. Call from one thread at a time or
 many: every method takes a lock.
+
+With a disk tier attached (``attach_disk``, :mod:`mlxd.cache.disk`), entries evicted for the budget are queued for
+writing, a lookup that the disk serves better than memory reads the file (on the caller's thread: the engine's)
+and brings the entry back into memory, and ``persist`` writes what memory still holds (a clean stop).
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from mlxd.cache.index import PrefixIndex
-from mlxd.cache.store import SnapshotStore, take_snapshot
+from mlxd.cache.index import Match, PrefixIndex
+from mlxd.cache.store import Snapshot, SnapshotStore, restore, take_snapshot
+from mlxd.log import get_logger
+
+if TYPE_CHECKING:
+    from mlxd.cache.disk import DiskTier
+
+log = get_logger("mlxd.cache")
 
 HitKind = Literal["exact", "prefix", "longer", "diverged", "miss"]
 
@@ -81,10 +91,15 @@ class PrefixCache:
 
     def __init__(self, budget_bytes: int) -> None:
         self._index = PrefixIndex()
-        self._store = SnapshotStore(budget_bytes)
+        self._store = SnapshotStore(budget_bytes, on_evict=self._spill)
         self._lock = threading.Lock()
         self._hits: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
+        self._disk: DiskTier | None = None
+
+    def attach_disk(self, disk: DiskTier | None) -> None:
+        """Keep evicted entries in ``disk`` (opened) and look there too (:mod:`mlxd.cache.disk`); None: none."""
+        self._disk = disk
 
     def lookup(self, tokens: Sequence[int] | Any, min_tokens: int = 1) -> Hit:
         """The longest reusable state for ``tokens``, ready to continue from token ``num_cached``; a miss when it
@@ -92,14 +107,30 @@ class PrefixCache:
         tokens = _as_tokens(tokens)
         with self._lock:
             match = self._index.match(tokens, min_tokens)
-            if match is None:
-                self._counts["num_misses"] += 1
-                return MISS
-            cache = self._store.checkout(match.entry_id, match.num_to_trim)
-            self._index.touch(match.entry_id)
-            self._hits[match.kind] += 1
-            self._counts["num_tokens_reused"] += match.num_tokens
+            if self._disk is None or (match is not None and match.num_tokens >= len(tokens) - 1):
+                return self._checkout(match)
+        found = self._disk.lookup(tokens, min_tokens, match.num_tokens if match is not None else 0)
+        with self._lock:
+            if found is None:  # memory's match, unless it went meanwhile (another thread's insert or clear)
+                return self._checkout(self._index.match(tokens, min_tokens))
+            disk_match, entry_tokens, snapshot = found
+            self._put(entry_tokens, snapshot)  # back in memory (if it fits)
+            self._count_hit(disk_match)
+        return Hit(restore(snapshot, disk_match.num_to_trim), disk_match.num_tokens, disk_match.kind)
+
+    def _checkout(self, match: Match | None) -> Hit:
+        """A memory entry's layers (callers hold the lock)."""
+        if match is None:
+            self._counts["num_misses"] += 1
+            return MISS
+        cache = self._store.checkout(match.entry_id, match.num_to_trim)
+        self._index.touch(match.entry_id)
+        self._count_hit(match)
         return Hit(cache, match.num_tokens, match.kind)
+
+    def _count_hit(self, match: Match) -> None:
+        self._hits[match.kind] += 1
+        self._counts["num_tokens_reused"] += match.num_tokens
 
     def insert(self, tokens: Sequence[int] | Any, cache: Sequence[Any]) -> bool:
         """Keep a snapshot of ``cache``, whose layers hold exactly ``tokens`` (batch size 1, evaluated).
@@ -180,9 +211,33 @@ class PrefixCache:
             for victim in self._index.victims():
                 if self._store.num_bytes <= num_bytes:
                     break
+                self._spill(victim, self._store.get(victim))
                 self._drop(victim)
                 self._counts["num_evictions"] += 1
             return before - self._store.num_bytes
+
+    def _spill(self, entry_id: int, snapshot: Snapshot) -> None:
+        """An entry evicted for the budget goes to the disk tier, if there is one (callers hold the lock)."""
+        if self._disk is not None:
+            self._disk.submit(self._index.tokens(entry_id), snapshot)
+
+    def persist(self, timeout_s: float) -> dict[str, int] | None:
+        """Write every entry still in memory to the disk tier (least recently used first, so that the bound keeps
+        the newest), wait at most ``timeout_s`` for the writes, and stop the writer. For a clean stop; None without
+        a disk tier."""
+        disk = self._disk
+        if disk is None:
+            return None
+        with self._lock:
+            entries = [(self._index.tokens(e), self._store.get(e)) for e in self._index.victims() if e in self._store]
+        num_queued = sum(disk.submit(tokens, snapshot) for tokens, snapshot in entries)
+        written = disk.flush(timeout_s)
+        if written:
+            disk.close()
+        stats = disk.stats()
+        log.info("prefix_disk_persisted", num_in_memory=len(entries), num_queued=num_queued, complete=written,
+                 num_files=stats["num_entries"], num_file_bytes=stats["num_bytes"], num_writes=stats["num_writes"])
+        return {"num_entries": len(entries), "num_queued": num_queued, "complete": int(written)}
 
     def stats(self) -> dict[str, Any]:
         """Entries, bytes, budget, hits by kind, misses, tokens reused and insert/evict counters."""
@@ -196,10 +251,13 @@ class PrefixCache:
                 **{k: self._counts[k] for k in ("num_misses", "num_tokens_reused", "num_inserts",
                                                 "num_dominated_dropped", "num_superseded_dropped", "num_evictions",
                                                 "num_rejected")},
+                **({"disk": self._disk.stats()} if self._disk is not None else {}),
             }
 
     def clear(self) -> None:
-        """Drop every entry (counters are kept)."""
+        """Drop every entry, the disk tier's files included (counters are kept)."""
         with self._lock:
             self._index.clear()
             self._store.clear()
+        if self._disk is not None:
+            self._disk.clear()

@@ -18,7 +18,7 @@ the whole chunk it just processed) is copied out of it; whole buffers are shared
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,12 +90,15 @@ def restore(snapshot: Snapshot, num_to_trim: int = 0) -> list[Any]:
 
 
 class SnapshotStore:
-    """Snapshots by entry id, holding at most ``budget_bytes``; evicts in the order the caller gives."""
+    """Snapshots by entry id, holding at most ``budget_bytes``; evicts in the order the caller gives.
 
-    def __init__(self, budget_bytes: int) -> None:
+    ``on_evict(entry_id, snapshot)`` is called for each snapshot ``put`` evicts (a lower tier may keep it)."""
+
+    def __init__(self, budget_bytes: int, on_evict: Callable[[int, Snapshot], None] | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.on_evict = on_evict
         self.num_bytes = 0
         self._snapshots: dict[int, Snapshot] = {}
 
@@ -125,7 +128,9 @@ class SnapshotStore:
         if excess - freeable > 0:
             return False, []
         for victim in evicted:
-            self.pop(victim)
+            popped = self.pop(victim)
+            if self.on_evict is not None:
+                self.on_evict(victim, popped)
         self._snapshots[entry_id] = snapshot
         self.num_bytes += snapshot.num_bytes
         return True, evicted

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from mlxd.config.models import normalise, served_models
-from mlxd.config.schema import DaemonConfig, PipelineSpec, ServedModelConfig
+from mlxd.config.schema import DaemonConfig, EngineConfig, PipelineSpec, ServedModelConfig
 from mlxd.errors import ConfigError
 
 
@@ -76,12 +76,41 @@ def load_config(path: str | Path) -> DaemonConfig:
     config = convert(data, DaemonConfig, str(path))
     if tables:
         config = msgspec.structs.replace(config, models=convert_models(tables, str(path)))
-    config = normalise(config, str(path))
+    config = normalise(with_prefix_dirs(config, path.resolve().parent), str(path))
     check_distributed(config, str(path))
     for served in served_models(config):
-        check_speculative(served.config, str(path), "engine" if served.config.engine is config.engine
-                          else f"{served.table}.engine")
+        table = "engine" if served.config.engine is config.engine else f"{served.table}.engine"
+        check_speculative(served.config, str(path), table)
+        check_prefix_disk(served.config, str(path), table)
     return config
+
+
+def with_prefix_dirs(config: DaemonConfig, base: Path) -> DaemonConfig:
+    """The config with every ``prefix_cache_dir`` (``[engine]``, ``[models.NAME.engine]``) taken from ``base``
+    (the config's folder) when relative."""
+    def resolved(engine: EngineConfig) -> EngineConfig:
+        folder = Path(engine.prefix_cache_dir).expanduser()
+        if not engine.prefix_cache_dir or folder.is_absolute():
+            return engine
+        return msgspec.structs.replace(engine, prefix_cache_dir=str(base / folder))
+
+    models = {key: msgspec.structs.replace(table, engine=resolved(table.engine)) if table.engine is not None
+              else table for key, table in config.models.items()}
+    return msgspec.structs.replace(config, engine=resolved(config.engine), models=models)
+
+
+def check_prefix_disk(config: DaemonConfig, source: str, table: str = "engine") -> None:
+    """What the prefix cache's disk tier (``prefix_cache_dir``) needs, named by field."""
+    engine = config.engine
+    if not engine.prefix_cache_dir:
+        return
+    if engine.prefix_cache_bytes == 0:
+        raise ConfigError(f"{source}: {table}.prefix_cache_dir: the disk tier keeps what the prefix cache evicts from "
+                          "memory, and prefix_cache_bytes is 0; set prefix_cache_bytes above 0 or leave "
+                          "prefix_cache_dir empty")
+    if config.distributed is not None:
+        raise ConfigError(f"{source}: {table}.prefix_cache_dir: [distributed] has no disk tier (every rank would need "
+                          "the same files to make the same cache decisions); leave prefix_cache_dir empty")
 
 
 def check_speculative(config: DaemonConfig, source: str, table: str = "engine") -> None:

@@ -188,6 +188,13 @@ class EngineConfig(Base):
     # not in one pass with the whole prompts arriving with it (a chat template's first tokens, or a short system
     # prompt, are shared by many requests).
     prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 32
+    # The prefix cache's disk tier (mlxd/cache/disk.py): a folder (relative to the config's folder) where entries
+    # evicted from memory are written in the background, and those still in memory on a clean stop; a restarted
+    # daemon finds them. Files are per model identity (weights digest, kv_bits, max_kv_size) in a subfolder, checked
+    # before use (a bad one is a miss, deleted and logged). Empty: no disk tier. Needs prefix_cache_bytes > 0.
+    prefix_cache_dir: str = ""
+    # Bytes of files the disk tier keeps for this model; the least recently used are deleted beyond it.
+    prefix_cache_disk_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] = 16 * 1024**3
     # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
     # re-sent in a later turn costs no vision-tower run; 0 turns it off.
     vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 512 * 1024**2

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import msgspec
 
+from mlxd.cache.disk import make_disk_tier
 from mlxd.cache.prefix_cache import Hit
 from mlxd.cache.quantized import kv_quantization
 from mlxd.config.schema import EngineConfig
@@ -133,6 +134,8 @@ class EngineCore:
         self.memory = measure_memory(model, limit_bytes=self.config.memory_limit_bytes,
                                      max_kv_size=self.config.max_kv_size, kv=kv_quantization(self.config))
         self.scheduler.kv_budget_bytes = self.memory.kv_budget_bytes
+        if self.reuse.cache is not None and self._channel is None:  # [distributed] has no disk tier (config says so)
+            self.reuse.cache.attach_disk(make_disk_tier(self.config, model))
         # Whole prompts share a pass only where caches can be merged left-padded (trimmable: prompts_to_batch);
         # elsewhere a burst would run one pass per prompt in a single step, and decoding rows would wait for all.
         self.scheduler.max_pass_tokens = (max_pass_tokens(self.memory, self.config.step_token_budget)

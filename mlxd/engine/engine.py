@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxd.cache.disk import PERSIST_TIMEOUT_S
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
 from mlxd.engine.commands import Accept, Cancel, Clear, Command, EndAll, ImagesEncoded, RequestSpec, Stop
@@ -149,6 +150,9 @@ class BatchedEngine:
             self._stopping = True
         self._inbox.put((Stop(), None))
         self._thread.join(timeout=30)
+        cache = self.reuse.cache
+        if cache is not None and self.failure is None and not self._thread.is_alive():
+            cache.persist(PERSIST_TIMEOUT_S)  # the prefix cache's disk tier keeps what memory holds (a clean stop)
 
     def abort_all(self, message: str) -> None:
         """End every request the engine holds (waiting, prefilling, decoding) with ``Failed(message, 503)``.
@@ -239,6 +243,7 @@ class BatchedEngine:
                    if self.memory is not None else {}),
             },
             **({"distributed": self.leader.status()} if self.leader is not None else {}),
+            **({"prefix_disk": disk} if (disk := self.reuse.stats().get("disk")) is not None else {}),
         }
 
     # ---- the engine thread ----

@@ -1,0 +1,204 @@
+"""The prefix cache's disk tier: a restarted daemon answers from disk what it answered before; a truncated, altered
+or foreign file is a miss, a log line and a correct answer; the folder stays within its bound."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import structlog
+from mlx_lm import load
+
+from mlxd.config import load_config
+from mlxd.config.schema import EngineConfig
+from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+from mlxd.engine.engine import BatchedEngine
+from mlxd.errors import ConfigError
+from tests.helpers import free_port, serve_subprocess, write_config
+from tests.support.tiny import tiny_model_cached
+
+SYSTEM = "You are a coding agent. " + "Read the files before editing them, and run the tests after each change. " * 14
+LONG_TEXT = "The first turn of a long conversation about parsers, tokens and tests. " * 20
+
+
+def chat(base: str) -> dict:
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the parser."}]}
+    response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_restarted_daemon_answers_from_disk(tiny_model_dir, tmp_path):
+    extra = '[engine]\nprefill_chunk = 128\nprefix_cache_dir = "prefix-cache"\n'
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, extra=extra)
+    with serve_subprocess(config, port) as (base, proc):
+        first = chat(base)
+    assert proc.returncode == 0  # SIGTERM: drained, the entries in memory written, exit 0
+    log_a = (tmp_path / f"server-{port}.log").read_text()
+    persisted = [msgspec.json.decode(line) for line in log_a.splitlines() if "prefix_disk_persisted" in line]
+    assert persisted and persisted[0]["complete"] and persisted[0]["num_files"] >= 1, log_a[-2000:]
+    files = list((tmp_path / "prefix-cache").rglob("*.safetensors"))
+    assert files and not list((tmp_path / "prefix-cache").rglob(".tmp-*"))
+
+    port = free_port()
+    config = write_config(tmp_path, tiny_model_dir, port=port, extra=extra)
+    with serve_subprocess(config, port) as (base, _):
+        second = chat(base)
+        status = httpx.get(base + "/v1/status", timeout=10).json()
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+    usage = second["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    print(f"restart: {cached} of {usage['prompt_tokens']} prompt tokens from disk")
+    assert cached >= 0.9 * usage["prompt_tokens"] and usage == first["usage"] | {"prompt_tokens_details": {
+        "cached_tokens": cached}}
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    disk = status["prefix_disk"]
+    assert disk["num_hits"] == 1 and disk["num_errors"] == 0 and disk["num_bytes_read"] >= files[0].stat().st_size
+    assert "mlxd_prefix_disk_hits_total 1.0" in metrics and "mlxd_prefix_disk_errors_total 0.0" in metrics
+
+
+# ---- an engine on the tiny model, for the files' failure modes ----
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def run(engine: BatchedEngine, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], Finished]:
+    async def go():
+        handle = engine.submit(EngineRequest(request_id=f"r{id(prompt)}-{len(prompt)}", prompt=prompt,
+                                             max_tokens=max_tokens))
+        tokens = []
+        async for event in handle.events():
+            if isinstance(event, Token):
+                tokens.append(event.token)
+            elif isinstance(event, Finished | Failed):
+                assert isinstance(event, Finished), event
+                return tokens, event
+    return asyncio.run(go())
+
+
+def started(model, folder: Path, **settings) -> BatchedEngine:
+    engine = BatchedEngine(model, EngineConfig(max_running=2, prefill_chunk=128, prefix_cache_dir=str(folder),
+                                               **settings))
+    engine.start()
+    return engine
+
+
+def serve_and_stop(model, folder: Path, prompt: list[int]) -> tuple[list[int], Finished, Path]:
+    """One engine's answer to ``prompt``, and the folder of its files once it stopped (they are written then)."""
+    engine = started(model, folder)
+    try:
+        tokens, finished = run(engine, prompt)
+        own = Path(engine.cache_stats()["disk"]["folder"])
+    finally:
+        engine.stop()
+    return tokens, finished, own
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("damage", "when", "reason"), [
+    ("truncated", "before", "bytes where the header describes"),  # found by the index's rebuild
+    ("truncated", "after", "do not match its checksum"),  # found when read
+    ("flipped", "before", "do not match its checksum"),
+    ("foreign", "before", "another model's file"),
+])
+def test_a_bad_file_is_a_miss_a_log_line_and_a_correct_answer(llama, tiny_models_root, tmp_path, damage, when,
+                                                              reason):
+    model, tokenizer = llama
+    prompt = tokenizer.encode(LONG_TEXT)
+    expected, cold, folder = serve_and_stop(model, tmp_path / "cold", prompt)  # this model's folder name, cold
+    assert cold.num_cached_tokens == 0
+    root = tmp_path / "cache"
+    if damage == "foreign":  # another model's file for the same prompt, put where this model's files are
+        other, _ = load(str(tiny_model_cached(tiny_models_root, "llama", seed=1)))
+        *_, other_folder = serve_and_stop(other, root, prompt)
+        (root / folder.name).mkdir(parents=True)
+        for path in other_folder.glob("*.safetensors"):
+            path.rename(root / folder.name / path.name)
+    else:
+        serve_and_stop(model, root, prompt)
+    (path,) = (root / folder.name).glob("*.safetensors")
+    damaged = {"truncated": truncate, "flipped": flip, "foreign": lambda _: None}[damage]
+    if when == "before":
+        damaged(path)
+    with structlog.testing.capture_logs() as logs:
+        engine = started(model, root)
+        try:
+            if when == "after":
+                damaged(path)
+            tokens, finished = run(engine, prompt)
+            disk = engine.cache_stats()["disk"]
+            assert not path.exists()  # deleted (the engine writes its own entry for the prompt when it stops)
+        finally:
+            engine.stop()
+    rejected = [e for e in logs if e["event"] == "prefix_disk_rejected"]
+    assert len(rejected) == 1 and reason in rejected[0]["reason"] and rejected[0]["file"] == str(path), rejected
+    assert finished.num_cached_tokens == 0 and tokens == expected
+    assert disk["num_hits"] == 0 and disk["num_errors"] == 1 and disk["num_entries"] == 0
+
+
+def test_the_folder_stays_within_its_bound_under_200_prompts(llama, tmp_path):
+    model, tokenizer = llama
+    entry = 256 * 512  # a snapshot holds its cache's buffers: 256-token steps of 512 bytes a token (this model)
+    bound = 9 * entry
+    engine = started(model, tmp_path / "cache", prefix_cache_bytes=3 * entry, prefix_cache_disk_bytes=bound,
+                     prefix_cache_min_tokens=8)
+    folder = Path(engine.cache_stats()["disk"]["folder"])
+    largest, done = [0], threading.Event()
+
+    def watch():  # the folder's size, every file (temporary ones too), as often as it can be read
+        while not done.is_set():
+            size = sum(p.stat().st_size for p in folder.iterdir() if p.exists())
+            largest[0] = max(largest[0], size)
+            done.wait(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        prompts = [tokenizer.encode(f"{i} is the number of this prompt, about " + ("tests " * (i % 7 + 20)))
+                   for i in range(200)]
+        for prompt in prompts:
+            run(engine, prompt, max_tokens=2)
+        deadline = time.monotonic() + 60
+        while (stats := engine.cache_stats()["disk"])["num_pending_writes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        again, finished = run(engine, prompts[-1], max_tokens=2)  # the newest entry is on disk or in memory
+    finally:
+        done.set()
+        watcher.join()
+        engine.stop()
+    print(f"200 prompts: largest folder {largest[0]} bytes (bound {bound}); {stats}")
+    assert largest[0] <= bound and stats["num_bytes"] <= bound
+    assert stats["num_writes"] >= 100 and stats["num_evictions"] >= 50 and stats["num_entries"] >= 3
+    assert finished.num_cached_tokens == len(prompts[-1]) - 1
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= bound
+
+
+def test_prefix_cache_dir_is_checked_and_taken_from_the_config_folder(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, extra='[engine]\nprefix_cache_dir = "cache/prefix"\n')
+    assert load_config(config).engine.prefix_cache_dir == str(tmp_path.resolve() / "cache" / "prefix")
+    config = write_config(tmp_path, tiny_model_dir,
+                          extra='[engine]\nprefix_cache_dir = "cache"\nprefix_cache_bytes = 0\n')
+    with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_dir: .*prefix_cache_bytes is 0"):
+        load_config(config)
+    config = write_config(tmp_path, tiny_model_dir, extra='[engine]\nprefix_cache_disk_bytes = -1\n')
+    with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_disk_bytes: Expected `int` >= 1"):
+        load_config(config)
