@@ -198,7 +198,11 @@ class EngineCore:
         self.scheduler.kv_budget_bytes = budget - self.reuse.num_bytes
 
     def fail(self, request_id: str, phase: str, error: Exception) -> None:
-        """End one request with ``Failed`` (500, a client-safe message); the error itself goes to the log."""
+        """End one request with ``Failed`` (500, a client-safe message); the error itself goes to the log. A
+        prompt that failed while running from a prefix-cache hit runs again from its start first
+        (:meth:`_retry_cold`)."""
+        if self._retry_cold(request_id, phase, error):
+            return
         if self._channel is not None and not isinstance(error, Refused):  # only this rank saw it
             raise DistributedFault(f"rank {self._channel.rank}: a request failed in the {phase} phase "
                                    f"({type(error).__name__}: {error}); the other ranks cannot follow") from error
@@ -210,6 +214,26 @@ class EngineCore:
                   error=str(error))
         self.table.post_failed(submitted, str(error) if isinstance(error, Refused) else _FAILED[phase], 500,
                                "num_failed")
+
+    def _retry_cold(self, request_id: str, phase: str, error: Exception) -> bool:
+        """Run a prompt that failed while running from a prefix-cache hit again from its start, without the hit:
+        the entry it started from is dropped (its state may be what failed) and the request stays queued as a
+        miss. Once: a second failure has no hit to blame. Not in a distributed group (the other ranks cannot
+        follow) and not for a refusal (the request is at fault, not the state). Returns whether it retries."""
+        submitted = self.table.get(request_id)
+        if (submitted is None or phase != "prefill" or self._channel is not None or isinstance(error, Refused)
+                or not submitted.state.num_cached_tokens):
+            return False
+        state = submitted.state
+        dropped = self.reuse.drop_hit(submitted.cache_key, state.num_cached_tokens, state.cache_hit)
+        log.warning("prefix_entry_failed", request_id=request_id, num_cached_tokens=state.num_cached_tokens,
+                    cache_hit=state.cache_hit, entry_dropped=dropped, error_type=type(error).__name__,
+                    error=str(error), action="retrying from the start without the entry")
+        reset_random_state()
+        self.runner.prefilling.pop(request_id, None)
+        state.num_prefilled = state.num_cached_tokens = 0
+        state.cache_hit = "miss"
+        return True
 
     def expire_waiting(self) -> None:
         """End the requests that have waited in the queue longer than ``max_queue_wait_s`` (503)."""

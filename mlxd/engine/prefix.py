@@ -10,6 +10,12 @@
   recently used first.
 - When a request ends, finished or cancelled, :meth:`PromptReuse.keep` snapshots prompt + generated tokens:
   the next turn of an agent conversation extends exactly that.
+- Checkpoints (``EngineRequest.checkpoints``, from the ``template`` stage) are where the last message ends, where
+  the system prompt and tools end, the client's cache breakpoints and a ``prompt_cache_key``'s shared prefix: a
+  chunk ends at each one when the cache cannot be trimmed, and its snapshot is kept, so a hybrid model's next
+  conversation with the same system prompt and tools reuses that whole block.
+- A request whose run from a hit fails is retried from the start by the engine; :meth:`PromptReuse.drop_hit`
+  drops the entry it started from.
 """
 
 from __future__ import annotations
@@ -72,6 +78,16 @@ class PromptReuse:
         if self.cache is None or is_trimmable(layers) or start <= num_cached or start in checkpoints:
             return
         self.cache.discard(key[:start])
+
+    def drop_hit(self, prompt: Sequence[int], num_cached: int, kind: str) -> bool:
+        """Drop the entry a request's prompt started from (``num_cached`` tokens of ``prompt``, a hit of ``kind``):
+        its state failed on use. A ``prefix`` hit's entry holds exactly those tokens, an ``exact`` hit's the whole
+        prompt; a ``longer`` or ``diverged`` hit's entry holds tokens the prompt lacks, unknown here (kept).
+        Returns whether an entry was dropped."""
+        if self.cache is None:
+            return False
+        candidates = {"prefix": [prompt[:num_cached]], "exact": [prompt, prompt[:num_cached]]}.get(kind, [])
+        return any(self.cache.discard(tokens) for tokens in candidates)
 
     @staticmethod
     def chunk_end(start: int, num_tokens: int, checkpoints: Sequence[int], trimmable: bool) -> int:
