@@ -170,7 +170,7 @@ def test_padded_batches_with_image_rows_equal_their_solo_outputs(tiny_vlm):
     def request(i: int, tag: str) -> EngineRequest:
         prompt, media = prompts(text(i), 100 + i) if i % 3 == 0 else prompts(text(i))
         return EngineRequest(request_id=f"{tag}-{i}", prompt=prompt, media=media, prefill_chunk=256,
-                             max_tokens=3 + i % 4)
+                             route="text" if media is None else "vision", max_tokens=3 + i % 4)
 
     config = EngineConfig(max_running=16, max_waiting=16, step_token_budget=8192, prefill_chunk=256,
                           prefix_cache_bytes=0, warmup_tokens=1, batch_buckets="on")

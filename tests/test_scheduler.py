@@ -307,7 +307,7 @@ def test_prompts_share_a_pass_only_with_prompts_of_their_kind():
     could run in none); rests of image prompts go alone; a kind with one prompt has no pass to share."""
     def state(name: str, size: int, *, done: int = 0, images: bool = False) -> tuple[SequenceState, int]:
         sequence = SequenceState(request_id=name, num_prompt_tokens=size, prefill_chunk=512, max_tokens=8,
-                                 num_prefilled=done, with_images=images)
+                                 num_prefilled=done, route="vision" if images else "text")
         return sequence, size - done
 
     chunks = [state("t1", 40), state("i1", 300, images=True), state("t2", 50), state("r1", 90, done=60),

@@ -273,10 +273,9 @@ class EngineCore:
         mode = submitted.request.decode
         submitted.state.decode = ({"mode": "plain", "reason": mode.reason} if isinstance(mode, Plain)
                                   else {"mode": "speculative", "drafter": mode.drafter, "k": mode.k})
-        vision = self.runner.vision
         try:
-            if submitted.request.route == "vision" and vision is not None:
-                submitted.state.encoding = vision.hold(submitted.request)
+            if submitted.state.vision:  # the route stage's decision, carried on the request (never decided again)
+                submitted.state.encoding = self._vision().hold(submitted.request)
             submitted.cache_key = prompt_key(submitted.request)
             self._start_after(submitted, self.reuse.lookup(submitted.cache_key))
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
@@ -287,6 +286,12 @@ class EngineCore:
         with self.table.lock:
             self.table.pending.pop(request_id, None)
             self.scheduler.add(submitted.state)
+
+    def _vision(self) -> VisionPrefill:
+        """The vision prefill, for a request routed ``vision``; a model without one refuses it."""
+        if self.runner.vision is None:
+            raise Refused("this model does not accept images")
+        return self.runner.vision
 
     def _start_after(self, submitted: Submitted, hit: Hit) -> None:
         """Start the prompt after the longest state the prefix cache holds for it (``hit``; a miss: at its start).

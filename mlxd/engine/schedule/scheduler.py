@@ -50,8 +50,7 @@ class SequenceState:
     # How the prefix cache served the prompt.
     cache_hit: str = "miss"
     num_cached_tokens: int = 0
-    route: str = "text"
-    with_images: bool = False  # its prompt has images (processed through the vision path)
+    route: str = "text"  # the path the ``route`` stage chose: "text" or "vision"
     encoding: bool = False  # its images are being encoded: it may not start yet
     prompt_text: str = ""  # the rendered prompt, shown (clipped) in /v1/status
     # Tokens it feeds a decode step: 1, or 1 + its drafts when speculative (what the step token budget counts).
@@ -64,7 +63,13 @@ class SequenceState:
         """The state of an engine request (``EngineRequest``) as it is submitted."""
         return cls(request_id=request.request_id, num_prompt_tokens=len(request.prompt),
                    prefill_chunk=request.prefill_chunk, max_tokens=request.max_tokens, route=request.route,
-                   with_images=request.media is not None, prompt_text=request.prompt_text)
+                   prompt_text=request.prompt_text)
+
+    @property
+    def vision(self) -> bool:
+        """Whether the request takes the vision path (its images encoded and merged into its prompt): the ``route``
+        stage's decision, the one place the engine reads it from."""
+        return self.route == "vision"
 
     @property
     def num_prompt_remaining(self) -> int:
@@ -296,7 +301,7 @@ def _as_is(num_rows: int) -> int:
 
 def _whole_text(sequence: SequenceState, num_tokens: int) -> bool:
     """Whether this chunk is a whole text prompt from its start (what a group pass of fresh prompts takes)."""
-    return sequence.num_prefilled == 0 and num_tokens == sequence.num_prompt_tokens and not sequence.with_images
+    return sequence.num_prefilled == 0 and num_tokens == sequence.num_prompt_tokens and not sequence.vision
 
 
 def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[list[SequenceState]]:
@@ -305,8 +310,8 @@ def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[list[Seque
     Of each kind the shortest ones, as many as keep the padded batch within twice their real tokens (no group of
     fewer than two)."""
     fresh = [(s, n) for s, n in chunks if s.num_prefilled == 0 and n == s.num_prompt_tokens]
-    rests = [(s, n) for s, n in chunks if s.num_prefilled > 0 and n == s.num_prompt_remaining and not s.with_images]
-    kinds = ([c for c in fresh if not c[0].with_images], [c for c in fresh if c[0].with_images], rests)
+    rests = [(s, n) for s, n in chunks if s.num_prefilled > 0 and n == s.num_prompt_remaining and not s.vision]
+    kinds = ([c for c in fresh if not c[0].vision], [c for c in fresh if c[0].vision], rests)
     return [group for group in map(_worth_one_pass, kinds) if group]
 
 

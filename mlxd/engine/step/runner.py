@@ -112,9 +112,7 @@ class StepRunner:
         row.spec = self._spec_state(request)
         if row.spec is not None:
             submitted.state.decode = row.spec.summary
-        if request.media is not None:
-            if self.vision is None:
-                raise Refused("this model does not accept images")
+        if submitted.state.vision:  # the route's decision (checked against the model when it was accepted)
             row.vision = self.vision.prepare(request)
         self.prefilling[request.request_id] = row
         return row
@@ -150,7 +148,7 @@ class StepRunner:
         vision tower together (one call, not one each: :meth:`VisionPrefill.encode_ahead`). Should that call fail,
         each request encodes its own images as it starts, so that only a request whose image fails fails."""
         def unstarted_image_request(submitted: Submitted) -> bool:
-            return (submitted.request.media is not None and submitted.request.request_id not in self.prefilling
+            return (submitted.state.vision and submitted.request.request_id not in self.prefilling
                     and submitted.state.num_prefilled == 0)
 
         if not any(unstarted_image_request(s) for s, _ in chunks):
@@ -206,7 +204,7 @@ class StepRunner:
                             lambda rows, subs: process_continuations(
                                 self.model, rows, [s.request.prompt[s.state.num_prefilled:] for s in subs],
                                 share=share, buckets=buckets))
-        elif group[0].request.media is not None:
+        elif group[0].state.vision:
             self._run_group(group, can_batch_vision_prompts, lambda rows, subs: process_vision_prompts(
                 self.model, rows, [s.request.prompt for s in subs], share=share))
         else:

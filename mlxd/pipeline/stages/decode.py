@@ -18,7 +18,7 @@ from mlxd.errors import EngineError, PipelineError, RequestError
 from mlxd.pipeline.events import KeepAlive
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import PipelineContext, Stage
-from mlxd.pipeline.stages.route import VISION
+from mlxd.pipeline.stages.route import TEXT, VISION
 
 
 class Decode(Stage):
@@ -36,9 +36,7 @@ class Decode(Stage):
         plan = job.chunk_plan
         if plan is None:
             raise PipelineError("the pipeline made no chunk plan for this request")
-        if job.media is not None and job.route != VISION:
-            raise PipelineError(f"the route {job.route!r} was chosen for a request with images; only "
-                                f"{VISION!r} runs them")
+        _check_route(job)
         job.engine_request = EngineRequest(
             request_id=job.request_id,
             prompt=job.prompt_ids,
@@ -84,3 +82,16 @@ class Decode(Stage):
                         return
         finally:
             handle.cancel("stop" if job.ended_by_pipeline else "cancelled")
+
+
+def _check_route(job: Job) -> None:
+    """The engine acts on the route alone, so a route that contradicts the request (a stage in place of ``route``
+    that got it wrong) is refused here, naming it, rather than run down the wrong path."""
+    if job.route not in (TEXT, VISION):
+        raise PipelineError(f"the route {job.route!r} is not one the engine runs; it runs {TEXT!r} and {VISION!r}")
+    if job.media is not None and job.route != VISION:
+        raise PipelineError(f"the route {job.route!r} was chosen for a request with images; only "
+                            f"{VISION!r} runs them")
+    if job.media is None and job.route == VISION:
+        raise PipelineError(f"the route {VISION!r} was chosen for a request without images (the pipeline "
+                            "processed none for the model)")
