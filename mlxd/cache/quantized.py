@@ -78,6 +78,18 @@ def check_quantized_attention(model: Any, layers: list[Any], kv: KVQuantization)
                           "unset kv_bits or choose a kv_group_size that divides the head size") from e
 
 
+def to_mlx_lm(layers: list[Any]) -> list[Any]:
+    """``layers`` with each :class:`QuantizedLayer` as mlx-lm's ``QuantizedKVCache`` (same arrays, same ``state``), for
+    ``save_prompt_cache``, whose ``load_prompt_cache`` finds classes by name in ``mlx_lm.models.cache``."""
+    return [QuantizedKVCache.from_state(layer.state) if type(layer) is QuantizedLayer else layer for layer in layers]
+
+
+def from_mlx_lm(layers: list[Any]) -> list[Any]:
+    """The inverse of :func:`to_mlx_lm`: mlx-lm's ``QuantizedKVCache`` layers (as ``load_prompt_cache`` gives them)
+    as :class:`QuantizedLayer`, which a decode batch can merge."""
+    return [QuantizedLayer.from_state(layer.state) if type(layer) is QuantizedKVCache else layer for layer in layers]
+
+
 def each_part(fn: Callable[[mx.array], mx.array], keys: Any) -> Any:
     """``fn`` over a layer's keys (or values): one array, or each array of a quantized triple."""
     return tuple(fn(part) for part in keys) if isinstance(keys, tuple) else fn(keys)

@@ -8,10 +8,12 @@ rotating layer grows until its window is full. Only graph shapes are read: nothi
 pass holds besides (activations, and logits for every position: 300 KB a token at a vocabulary of 152k in bf16) is
 measured once on GPU backends, by evaluating a pass of :data:`PASS_PROBE_TOKENS` tokens and reading MLX's peak
 memory (estimated from the logits' shape on the CPU); it bounds how many prompt tokens one pass of a burst may take
-(:func:`max_pass_tokens`).
+(:func:`max_pass_tokens`). With ``[engine] kv_bits`` the caches measured are the quantized ones
+(:mod:`mlxd.cache.quantized`), so a token costs what its packed features, scales and biases take (8 bits in groups of
+64 features: 0.53 of bfloat16's bytes, 0.28 of float32's; 4 bits: 0.28 and 0.16).
 
 What a request reserves is what its cache can grow to, prompt + ``max_tokens``, rounded up to the 256-token step in
-which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``), so
+which ``KVCache`` allocates. In the decode batch every row is left-padded to the longest row (``BatchKVCache``, or its quantized form), so
 the scheduler counts ``rows x the largest reservation`` rather than the sum (see ``mlxd.engine.schedule.scheduler``).
 Not counted: transient copies while a row joins or leaves the batch, activations, sampler buffers, and snapshots
 the prefix cache takes during a step (it is shrunk back at the start of the next one). Leave headroom for them in

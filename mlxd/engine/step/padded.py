@@ -8,7 +8,9 @@ the model its keys and values rounded up to :data:`BUCKET` positions (a view of 
 else a zero-padded copy) and a mask that hides the positions past the filled ones, so the shape changes once
 every :data:`BUCKET` positions; warm-up builds the plans of the first buckets (:func:`.warmup.warm_up_verify`).
 A verify pass attends over at most ``BUCKET - 1`` masked positions more, a few microseconds beside reading the
-weights. The state written is the cache's own; only what the model reads is padded.
+weights. The state written is the cache's own; only what the model reads is padded. Quantized layers
+(``[engine] kv_bits``) are left as they are: their attention is two ``quantized_matmul`` calls, not cuDNN's kernel,
+so it builds no plan per shape.
 """
 
 from __future__ import annotations
