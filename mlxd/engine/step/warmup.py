@@ -280,8 +280,8 @@ VERIFY_BUCKETS = 2
 def warm_up_verify(model: Any, config: EngineConfig, force: bool = False) -> int:
     """Build the attention plans of speculative verify passes before serving (CUDA, where :mod:`.padded` pads
     them; ``force``: here too, for tests): every batch size 1..``max_running``, every block width 2..k + 1, over
-    caches in each of the first :data:`VERIFY_BUCKETS` buckets. Caches of other kinds (rotating, recurrent) are
-    left out. Returns the number of verify passes run.
+    caches in each of the first :data:`VERIFY_BUCKETS` buckets. Caches of other kinds (rotating, recurrent,
+    quantized) are left out. Returns the number of verify passes run.
 
     Unwarmed, a verify step meeting a new shape paid about 75 ms on an H100 (Qwen3-8B shape) where a decode step
     takes 12: the first verify steps of a request, exactly those that decide whether drafting pays, looked several
@@ -289,7 +289,7 @@ def warm_up_verify(model: Any, config: EngineConfig, force: bool = False) -> int
     batches of several rows are that row's cache copied (``merge``), one batch size at a time. The cost:
     ``max_running * k * VERIFY_BUCKETS`` verify passes, once per process.
     """
-    base = make_request_cache(model)
+    base = make_request_cache(model, 0, kv_quantization(config))  # quantized layers build no plans: left out
     if not (pad_verify() or force) or not all(type(c) is KVCache for c in base):
         return 0
     k, passes = config.speculative.k, 0
