@@ -202,3 +202,21 @@ def test_prefix_cache_dir_is_checked_and_taken_from_the_config_folder(tiny_model
     config = write_config(tmp_path, tiny_model_dir, extra='[engine]\nprefix_cache_disk_bytes = -1\n')
     with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_disk_bytes: Expected `int` >= 1"):
         load_config(config)
+
+
+def test_a_hit_from_disk_names_its_entry_and_discarding_it_deletes_the_file(llama, tmp_path):
+    model, tokenizer = llama
+    prompt = tokenizer.encode(LONG_TEXT)
+    generated, _, folder = serve_and_stop(model, tmp_path, prompt)
+    (path,) = folder.glob("*.safetensors")
+    engine = started(model, tmp_path)
+    try:
+        cache = engine.reuse.cache
+        hit = cache.lookup(prompt)
+        # The entry holds the prompt and (some of) the answer; the prompt gets all its tokens but the last.
+        assert hit.kind == "longer" and hit.num_cached == len(prompt) - 1
+        assert hit.entry[: len(prompt) + 1] == (*prompt, generated[0])
+        assert cache.discard(hit.entry) and not path.exists()
+        assert cache.lookup(prompt).kind == "miss" and cache.stats()["disk"]["num_entries"] == 0
+    finally:
+        engine.stop()

@@ -355,6 +355,15 @@ class DiskTier:
 
     # ---- reports and clearing ----
 
+    def discard(self, tokens: tuple[int, ...]) -> bool:
+        """Delete the file of the entry whose tokens are exactly ``tokens``; returns whether there was one."""
+        with self._lock:
+            entry_id = self._index.find(tokens)
+            if entry_id is None:
+                return False
+            self._delete(entry_id)
+            return True
+
     def clear(self) -> None:
         """Delete every file of this identity (writes queued still land)."""
         with self._lock:

@@ -48,11 +48,13 @@ class Hit:
     """What ``lookup`` found: cache layers holding the prompt's first ``num_cached`` tokens, or a miss.
 
     ``cache`` is None on a miss (``num_cached == 0``); otherwise it is the caller's own to extend in place.
+    ``entry``: the tokens of the entry it came from (``discard`` drops it), empty on a miss.
     """
 
     cache: list[Any] | None
     num_cached: int
     kind: HitKind
+    entry: tuple[int, ...] = ()
 
 
 MISS = Hit(None, 0, "miss")
@@ -116,7 +118,7 @@ class PrefixCache:
             disk_match, entry_tokens, snapshot = found
             self._put(entry_tokens, snapshot)  # back in memory (if it fits)
             self._count_hit(disk_match)
-        return Hit(restore(snapshot, disk_match.num_to_trim), disk_match.num_tokens, disk_match.kind)
+        return Hit(restore(snapshot, disk_match.num_to_trim), disk_match.num_tokens, disk_match.kind, entry_tokens)
 
     def _checkout(self, match: Match | None) -> Hit:
         """A memory entry's layers (callers hold the lock)."""
@@ -126,7 +128,7 @@ class PrefixCache:
         cache = self._store.checkout(match.entry_id, match.num_to_trim)
         self._index.touch(match.entry_id)
         self._count_hit(match)
-        return Hit(cache, match.num_tokens, match.kind)
+        return Hit(cache, match.num_tokens, match.kind, self._index.tokens(match.entry_id))
 
     def _count_hit(self, match: Match) -> None:
         self._hits[match.kind] += 1
@@ -177,14 +179,16 @@ class PrefixCache:
         return True
 
     def discard(self, tokens: Sequence[int] | Any) -> bool:
-        """Drop the entry whose tokens are exactly ``tokens``, unless an insertion in progress pins it; returns
-        whether one was dropped. For a snapshot that a later one of the same prompt supersedes, where the index
-        cannot tell (entries that cannot be trimmed never dominate their prefixes)."""
+        """Drop the entry whose tokens are exactly ``tokens`` (a hit's ``entry``), unless an insertion in progress
+        pins it, and its file in the disk tier; returns whether one was dropped. For a snapshot that a later one of
+        the same prompt supersedes, where the index cannot tell (entries that cannot be trimmed never dominate their
+        prefixes), and for a state that failed on use."""
         tokens = _as_tokens(tokens)
+        on_disk = self._disk is not None and self._disk.discard(tokens)
         with self._lock:
             entry_id = self._index.find(tokens)
             if entry_id is None or entry_id not in self._index.victims():
-                return False
+                return on_disk
             self._drop(entry_id)
             self._counts["num_superseded_dropped"] += 1
             return True
