@@ -49,8 +49,9 @@ def test_the_path_starts_at_the_chat_pipeline_with_its_stages_in_order():
 
 
 # Each hop drawn, read in the code: the caller names the callee (the five places issue 38 asks a newcomer to reach
-# from chat.toml in at most three hops: the stop cut, the tool-call parse, the 429, the prefix-cache lookup; the
-# vision tower is further, see the README's text below the block).
+# from chat.toml in at most three hops: the stop cut, the tool-call parse, the 429, the prefix-cache lookup, and the
+# vision tower: _accept hands a request routed vision to the vision prefill, whose encode is the tower's one call;
+# tests/test_vision_route.py checks that no other function calls it).
 @pytest.mark.parametrize(("caller", "calls"), [
     ("api/respond.py:prepare", [".prepare(job, flag, until)"]),
     ("model_slot.py:ModelSlot.prepare", ["raise Overloaded(", "self.pipeline.prepare"]),
@@ -59,6 +60,7 @@ def test_the_path_starts_at_the_chat_pipeline_with_its_stages_in_order():
     ("engine/core.py:EngineCore.__init__", ["Accept: self._accept"]),
     ("engine/core.py:EngineCore._accept", ["self.reuse.lookup(", "if submitted.state.vision:", "._vision().hold("]),
     ("engine/schedule/scheduler.py:SequenceState.vision.fget", ['self.route == "vision"']),
+    ("engine/step/vision.py:VisionPrefill.encode", ["self.model.encode_many(", "self.model.encode("]),
     ("pipeline/stages/detokenize.py:Detokenize.stream", ["StopCutter(", "cutter.feed("]),
     ("pipeline/stages/parse.py:Parse.stream", [".run(events)"]),
     ("pipeline/stages/parse.py:_Splitter.run", ["self.tools.feed("]),

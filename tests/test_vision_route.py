@@ -1,10 +1,13 @@
 """The engine takes the path the ``route`` stage chose, and only that one: a request routed ``text`` never touches
 the vision tower (on a vision model too, and even when it carries images: the pipeline refuses that contradiction
-before the engine sees it), one routed ``vision`` has its images encoded and merged into its prompt."""
+before the engine sees it), one routed ``vision`` has its images encoded and merged into its prompt. The vision
+tower is called from one method, the vision prefill's ``encode``."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,8 @@ from mlxd.pipeline.job import Job
 from tests.test_batched_engine import collect_tokens
 from tests.test_pipeline_order import _warm
 from tests.test_vision_engine import Prompts, loaded_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def routed(request_id: str, prompt: list[int], media: Media | None, route: str) -> EngineRequest:
@@ -89,3 +94,28 @@ def test_a_route_that_contradicts_the_request_is_refused_at_the_pipeline(route, 
         decode.prepare(job)
     assert job.engine_request is None
 
+
+def _tower_callers() -> set[str]:
+    """Every function in the package (outside the model wrappers, which implement the tower's entries) that calls
+    a model's ``encode`` or ``encode_many``, or the mlx-vlm tower itself."""
+    callers = set()
+    for path in (ROOT / "mlxd").rglob("*.py"):
+        if path.parent.name == "models":
+            continue
+        tree = ast.parse(path.read_text())
+        for scope in ast.walk(tree):
+            if not isinstance(scope, ast.ClassDef | ast.Module):
+                continue
+            for function in [n for n in scope.body if isinstance(n, ast.FunctionDef)]:
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                            node.func.attr == "vision_tower" or (
+                                node.func.attr in ("encode", "encode_many")
+                                and ast.unparse(node.func.value).endswith("model"))):
+                        owner = f"{scope.name}." if isinstance(scope, ast.ClassDef) else ""
+                        callers.add(f"{path.relative_to(ROOT)}:{owner}{function.name}")
+    return callers
+
+
+def test_the_vision_tower_is_called_from_one_method():
+    assert _tower_callers() == {"mlxd/engine/step/vision.py:VisionPrefill.encode"}

@@ -2,8 +2,9 @@
 
 The engine thread hands over the images of requests it has just accepted (:meth:`ImageEncoder.submit`, one job
 for the images accepted together) and keeps stepping: rows already decoding do not wait for the tower. The encoder
-thread runs each job through the vision tower on its own MLX stream (several images in one tower call where the
-family allows it), evaluates the features and gives them back through ``deliver``, which puts them in the engine's
+thread runs each job through the vision tower on its own MLX stream (``encode``: the vision prefill's
+:meth:`~mlxd.engine.step.vision.VisionPrefill.encode`, the one tower call, several images in one call where the
+family allows it) and gives the evaluated features back through ``deliver``, which puts them in the engine's
 inbox. On a GPU the tower's kernels then run while the engine builds its decode steps; on a CPU, on another core.
 
 MLX allows this since 0.31.2: every thread evaluates on its own streams, and an array crosses threads only once it
@@ -20,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 from mlxd.log import get_logger
@@ -43,10 +43,11 @@ class Encoded:
 
 
 class ImageEncoder:
-    """Runs vision-tower jobs in order on one thread; each result goes to ``deliver`` (called on that thread)."""
+    """Runs vision-tower jobs in order on one thread, each through ``encode`` (the job's features, evaluated); each
+    result goes to ``deliver`` (called on that thread)."""
 
-    def __init__(self, model: Any, deliver: Callable[[Encoded], None]) -> None:
-        self.model = model
+    def __init__(self, encode: Callable[[Job], list[Any]], deliver: Callable[[Encoded], None]) -> None:
+        self._encode = encode
         self._deliver = deliver
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlxd-image-encoder", daemon=True)
@@ -72,31 +73,19 @@ class ImageEncoder:
     def _run(self) -> None:
         with device_stream():  # the model's device, with a stream of this thread's own
             while (job := self._jobs.get()) is not None:
-                encoded = self.encode(job)
+                encoded = self.run(job)
                 self.num_jobs += 1
                 self.num_images += len(job)
                 self.busy_s += encoded.seconds
                 self._deliver(encoded)
 
-    def encode(self, job: Job) -> Encoded:
-        """One job through the vision tower (:func:`encode_images`); an error is handed back, not raised."""
+    def run(self, job: Job) -> Encoded:
+        """One job through ``encode``; an error is handed back, not raised."""
         start = time.perf_counter()
         digests = list(job)
         try:
-            features = encode_images(self.model, job)
+            features = self._encode(job)
         except Exception as e:  # noqa: BLE001 - handed to the engine: each request then encodes its own images
             log.warning("image_encode_failed", num_images=len(digests), error_type=type(e).__name__, error=str(e))
             return Encoded(digests, [], e, time.perf_counter() - start)
         return Encoded(digests, features, None, time.perf_counter() - start)
-
-
-def encode_images(model: Any, job: Job) -> list[Any]:
-    """The features of ``job``'s images, in its order, evaluated: one vision-tower call for them all where the family
-    takes several images at once (:attr:`~mlxd.models.vlm.VisionLanguageModel.encodes_together`), else one each."""
-    images = [{k: mx.array(v) for k, v in inputs.items()} for inputs, _ in job.values()]
-    if model.encodes_together and len(images) > 1:
-        features = model.encode_many(images)
-    else:
-        features = [model.encode(image, num_tokens) for image, (_, num_tokens) in zip(images, job.values(), strict=True)]
-    mx.eval(features)
-    return list(features)

@@ -7,13 +7,21 @@ recently used first out): an image re-sent in a later turn, or after a different
 vision-tower call. Families whose image inputs cannot be split per image run the vision tower on every request
 (``mlxd.models.vlm`` lists the families that split).
 
-Images are encoded ahead of their prompts, beside the engine's steps (:mod:`mlxd.engine.step.encoder`): an accepted
-request whose images the feature cache lacks is held (:meth:`VisionPrefill.hold`; the scheduler does not admit it)
-until the encoder thread gives their features back (:meth:`VisionPrefill.take`). Should that fail, the request is
-admitted anyway and encodes its images as its prompt starts, where a failure ends that request only. Without the
-encoder (the feature cache off, a family that does not split, a distributed group whose ranks must run the same
-work in the same step) the images of requests about to start are encoded in the engine's step
-(:meth:`VisionPrefill.encode_ahead`).
+The engine comes here for the requests the ``route`` stage sent down the ``vision`` path (``EngineRequest.route``),
+and only for those. One method runs the vision tower, :meth:`VisionPrefill.encode`; what differs is where and when
+it runs:
+
+- on the encoder thread (:mod:`mlxd.engine.step.encoder`), beside the engine's steps: an accepted request whose
+  images the feature cache lacks is held (:meth:`VisionPrefill.hold`; the scheduler does not admit it) until the
+  encoder thread gives their features back (:meth:`VisionPrefill.take`);
+- without the encoder (the feature cache off, a family that does not split, a distributed group whose ranks must
+  run the same work in the same step), in the engine's step that starts an image prompt, for the images of every
+  image request not started yet (:meth:`VisionPrefill.encode_ahead`);
+- as a request's prompt starts, for those of its images the feature cache still lacks (:meth:`VisionPrefill.prepare`;
+  the encoder's job failed, say), where a failure ends that request only.
+
+Families whose image inputs cannot be split per image have no features of their own to cache: mlx-vlm's merge runs
+their tower with the prompt (:meth:`~mlxd.models.vlm.VisionLanguageModel.embed` given no features).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.engine.base import EngineRequest
-from mlxd.engine.step.encoder import Encoded, ImageEncoder, Job, encode_images
+from mlxd.engine.step.encoder import Encoded, ImageEncoder, Job
 
 
 def prompt_key(request: EngineRequest) -> list[int]:
@@ -95,7 +103,7 @@ class VisionPrefill:
                  deliver: Callable[[Encoded], None] | None = None) -> None:
         self.model = model
         self.features = FeatureCache(feature_cache_bytes)
-        self.encoder = ImageEncoder(model, deliver) if deliver is not None and feature_cache_bytes else None
+        self.encoder = ImageEncoder(self.encode, deliver) if deliver is not None and feature_cache_bytes else None
         self._held: dict[str, set[str]] = {}  # request id -> digests of its images not encoded yet
         self._in_flight: set[str] = set()  # digests with the encoder
         self._job: Job = {}  # images to hand over at the next flush()
@@ -128,9 +136,23 @@ class VisionPrefill:
                     job.setdefault(digest, image)
         if len(job) < 2:
             return 0
-        for digest, features in zip(job, encode_images(self.model, job), strict=True):
+        for digest, features in zip(job, self.encode(job), strict=True):
             self.features.put(digest, features)
         return len(job)
+
+    def encode(self, job: Job) -> list[Any]:
+        """The vision tower call, the only one: the features of ``job``'s images, in its order, evaluated. One tower
+        call for them all where the family takes several images at once
+        (:attr:`~mlxd.models.vlm.VisionLanguageModel.encodes_together`), else one each. Reads and writes nothing
+        but the model, so that it runs on the encoder thread as well as on the engine thread."""
+        images = [{k: mx.array(v) for k, v in inputs.items()} for inputs, _ in job.values()]
+        if self.model.encodes_together and len(images) > 1:
+            features = self.model.encode_many(images)
+        else:
+            features = [self.model.encode(image, num_tokens)
+                        for image, (_, num_tokens) in zip(images, job.values(), strict=True)]
+        mx.eval(features)
+        return list(features)
 
     def hold(self, request: EngineRequest) -> bool:
         """Whether ``request`` must wait for the encoder: its images the feature cache lacks join the next job
@@ -213,6 +235,6 @@ class VisionPrefill:
         """One image's features: from the cache, else from the vision tower (``image``: its numpy inputs)."""
         features = self.features.get(digest)
         if features is None:
-            [features] = encode_images(self.model, {digest: (image, num_tokens)})
+            [features] = self.encode({digest: (image, num_tokens)})
             self.features.put(digest, features)
         return features
