@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxd.cache.quantized import kv_quantization
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Progress, SamplingParams, Speculative
 from mlxd.engine.drafters.base import Drafter
@@ -108,7 +109,7 @@ class StepRunner:
         constraints = request.logits_processors() if request.logits_processors is not None else None
         row = Row.for_request(request.request_id, params, self.model, self.config.max_kv_size, cache,
                               make_sampler=self._make_sampler, extra_processors=constraints,
-                              num_logprobs=request.num_logprobs)
+                              num_logprobs=request.num_logprobs, kv=kv_quantization(self.config))
         row.spec = self._spec_state(request)
         if row.spec is not None:
             submitted.state.decode = row.spec.summary
