@@ -33,6 +33,7 @@ from mlxd.api.output import Output
 from mlxd.config.schema import SamplingDefaults
 from mlxd.errors import ContextLengthExceeded, EngineError, NotReady, Overloaded, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
+from mlxd.pipeline.stages.template_points import strip_marks
 from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
 from tests.support.tool_templates import TOOL_TEMPLATES
 
@@ -71,7 +72,10 @@ def test_a_request_becomes_openai_shaped_chat_messages():
         "metadata": {"user_id": "u"}, "context_management": {}, "output_config": {"effort": "high"},
         "service_tier": "auto", "container": None, "mcp_servers": []})
     job = jobs.messages_job(body, "m", SamplingDefaults())
-    assert job.messages == [
+    # The cache_control breakpoint is a marker where its block's text ends, which the template stage removes.
+    (mark,) = job.cache_breakpoints
+    assert job.messages[0]["content"] == f"You are terse.{mark}\nAnswer in French."
+    assert strip_marks(job.messages, job.cache_breakpoints) == [
         {"role": "system", "content": "You are terse.\nAnswer in French."},
         {"role": "user", "content": [{"type": "text", "text": "Look:"},
                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}}]},

@@ -251,7 +251,8 @@ def test_each_stage_writes_only_what_it_declares(tiny_model_dir, tiny_vlm, tmp_p
     from tests.vision_helpers import user_with_images
 
     text_jobs = [
-        Job(request_id="chat", model="tiny", messages=[{"role": "developer", "content": "Be brief."},
+        # A system prompt long enough for a snapshot where it ends (prefix_cache_min_tokens): template's checkpoints.
+        Job(request_id="chat", model="tiny", messages=[{"role": "developer", "content": "Be brief. " * 20},
                                                        {"role": "user", "content": "Hello?"}]),
         Job(request_id="completion", model="tiny", prompt="Once upon a time", max_tokens=10**6,
             clamp_max_tokens=True),

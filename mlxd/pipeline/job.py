@@ -45,8 +45,9 @@ class Job:
     response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}
     num_logprobs: int | None = None  # None: none; k: the chosen token's and the top k alternatives' logprobs
     # Client cache breakpoints (Anthropic ``cache_control``): markers the API wrote into the messages' text where
-    # each breakpoint falls (``mlxd.pipeline.stages.template_points.Breakpoints``); ``template`` locates and removes
-    # them. ``prompt_cache_key`` (OpenAI): requests sharing it snapshot where they part from the previous one.
+    # each breakpoint falls (``mlxd.pipeline.stages.template_points.Breakpoints``); ``template`` locates them and
+    # renders the prompt without them. ``prompt_cache_key`` (OpenAI): requests sharing it snapshot where they part
+    # from the previous one.
     cache_breakpoints: tuple[str, ...] = ()
     prompt_cache_key: str | None = None
     # Filled by stages.

@@ -78,14 +78,15 @@ class Template(Stage):
     def prepare(self, job: Job) -> None:
         if job.messages is not None:
             check_tool_names(job.tools)  # a name holding tool-call markup would forge or break calls
-            marked, job.messages = job.messages, strip_marks(job.messages, job.cache_breakpoints)
-            self._refuse_oversized(num_rendered_bytes(job.messages), "messages")
-            job.prompt_text = self._render(job, self.config.add_generation_prompt)
+            # The messages as the API wrote them (client breakpoints marked in their text) and as they are.
+            marked, messages = job.messages, strip_marks(job.messages, job.cache_breakpoints)
+            self._refuse_oversized(num_rendered_bytes(messages), "messages")
+            job.prompt_text = self._render(job, self.config.add_generation_prompt, messages)
             if job.images and self.images is not None:
                 job.prompt_ids, job.media = self.images.process(job.prompt_text, job.images)
             else:
                 job.prompt_ids = self.tokenizer.encode(job.prompt_text, add_special_tokens=False)
-            job.checkpoints = self._checkpoints(job, marked)
+            job.checkpoints = self._checkpoints(job, messages, marked)
             if "enable_thinking" in job.template_kwargs and not self.has_thinking_switch:
                 log.info("thinking_switch_ignored", request_id=job.request_id,
                          reason="the chat template has no enable_thinking switch")
@@ -108,13 +109,14 @@ class Template(Stage):
                 param=param,
             )
 
-    def _checkpoints(self, job: Job, marked: list[dict[str, Any]]) -> tuple[int, ...]:
+    def _checkpoints(self, job: Job, messages: list[dict[str, Any]], marked: list[dict[str, Any]]) -> tuple[int, ...]:
         """Token positions worth a prefix-cache snapshot (:mod:`mlxd.pipeline.stages.template_points`): where the
         last message ends, where the system prompt and tools end, each client breakpoint (``marked``: the messages
         with the API's markers), and where the prompt parts from its ``prompt_cache_key``'s previous one."""
         encode = self._encode
-        offsets = [o for o in (self._system_end(job), *self._breakpoint_offsets(job, marked)) if o is not None]
-        positions = {self._last_message_boundary(job)}
+        offsets = [o for o in (self._system_end(job, messages), *self._breakpoint_offsets(job, marked))
+                   if o is not None]
+        positions = {self._last_message_boundary(job, messages)}
         positions.update(token_position(encode, job.prompt_text, job.prompt_ids, o) for o in offsets)
         if job.prompt_cache_key is not None:
             positions.add(self.shared_prefixes.shared(job.prompt_cache_key, job.prompt_ids))
@@ -126,10 +128,9 @@ class Template(Stage):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _system_end(self, job: Job) -> int | None:
+    def _system_end(self, job: Job, messages: list[dict[str, Any]]) -> int | None:
         """The text offset where the leading system messages and the tool definitions end: the end of their own
         render where the prompt starts with it, else the start of the first other message's content (marked)."""
-        messages = job.messages
         first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), None)
         if first is None or not (first or job.tools):
             return None
@@ -168,22 +169,21 @@ class Template(Stage):
             return {}
         return locate_marks(marked_text, marks, job.prompt_text)
 
-    def _last_message_boundary(self, job: Job) -> int | None:
+    def _last_message_boundary(self, job: Job, messages: list[dict[str, Any]]) -> int | None:
         """The prompt position where the last message ends and the generation prompt begins.
 
         The next turn of a conversation renders this turn's prompt up to here identically, even where the
         template renders the assistant's turn differently once it is history (thinking blocks, say)."""
         if not self.config.add_generation_prompt:
             return None
-        bare = self._render(job, False)
+        bare = self._render(job, False, messages)
         if not job.prompt_text.startswith(bare):
             return None
         tail = self.tokenizer.encode(job.prompt_text[len(bare) :], add_special_tokens=False)
         boundary = len(job.prompt_ids) - len(tail)
         return boundary if 0 < boundary < len(job.prompt_ids) and job.prompt_ids[boundary:] == tail else None
 
-    def _render(self, job: Job, add_generation_prompt: bool, messages: list[dict[str, Any]] | None = None) -> str:
-        messages = job.messages if messages is None else messages
+    def _render(self, job: Job, add_generation_prompt: bool, messages: list[dict[str, Any]]) -> str:
         tools = job.tools or None
         if self.tool_mode == "list" and tools:
             messages, tools = tool_list_in_system(messages, tools), None
