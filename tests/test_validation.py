@@ -261,7 +261,7 @@ def test_no_request_id_before_one_is_given(served, monkeypatch):
     async def broken(self, model):
         return 1 / 0
 
-    monkeypatch.setattr(type(daemon.models), "acquire", broken)  # finding the model: before the request has an id
+    monkeypatch.setattr(type(daemon.models), "admit", broken)  # finding the model: before the request has an id
     error = assert_error(chat(client), 500)
     assert "chatcmpl-" not in error["message"]
 

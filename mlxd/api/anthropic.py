@@ -22,7 +22,7 @@ from litestar.params import JSONBody
 
 from mlxd.api import anthropic_jobs as jobs
 from mlxd.api import anthropic_render as render
-from mlxd.api import errors, respond
+from mlxd.api import errors, loading, respond
 from mlxd.api.anthropic_schemas import (
     CountTokensRequest,
     CountTokensResponse,
@@ -38,6 +38,7 @@ from mlxd.api.validate import check_size
 from mlxd.daemon import Daemon
 from mlxd.errors import AuthenticationError, MlxdError
 from mlxd.log import get_logger
+from mlxd.model_slot import ModelSlot
 
 log = get_logger("mlxd.request")
 
@@ -94,19 +95,16 @@ class AnthropicController(Controller):
         metrics: NamedDependency[Metrics],
     ) -> Message | EventStream:
         """A message, streamed (named SSE events) or not, in Anthropic's format: thinking, text and tool_use
-        blocks. A ``max_tokens`` beyond what the context leaves is clamped, not refused."""
-        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
-        model = served.name
-        jobs.check_vocabulary(data, served.model_info)
-        check_size(data, **served.size_limits())
-        job = jobs.messages_job(data, model, served.config.model.sampling)
-        events, trace = await respond.start(served, job, "messages", metrics.observe, receive=request.receive)
-        clamped = job.max_tokens_clamped_from is not None
-        if not data.stream:
-            outputs = await respond.collect(events, trace, request.receive)
-            return render.message(job.request_id, model, outputs[0], trace.done, clamped)
-        renderer = render.MessageRenderer(job.request_id, model, len(job.prompt_ids), clamped)
-        return EventStream(respond.stream_sse(events, trace, renderer))
+        blocks. A ``max_tokens`` beyond what the context leaves is clamped, not refused. A request for a model that
+        is not loaded waits for it (a stream with keep-alives)."""
+
+        def before_wait(served: ModelSlot) -> loading.ErrorFrames:
+            check_size(data, **served.size_limits())
+            job = jobs.messages_job(data, served.name, served.config.model.sampling)
+            return loading.error_frames(render.MessageRenderer(job.request_id, served.name, 0, clamped=False))
+
+        return await loading.answer(await daemon.models.admit(data.model), data.stream,
+                                    lambda served: _message(request, data, served, metrics), before_wait)
 
     @post("/messages/count_tokens", status_code=200, dto=StrictJSON[CountTokensRequest], return_dto=None)
     async def count_tokens(self, request: Request, data: JSONBody[CountTokensRequest],
@@ -122,3 +120,17 @@ class AnthropicController(Controller):
         await respond.prepare(served, job, request.receive, until=PREFILL_STAGE)
         log.info("count_tokens", request_id=job.request_id, model=model, prompt_tokens=len(job.prompt_ids))
         return CountTokensResponse(input_tokens=len(job.prompt_ids))
+
+
+async def _message(request: Request, data: MessagesRequest, served: ModelSlot, metrics: Metrics) -> Message | EventStream:
+    model = served.name
+    jobs.check_vocabulary(data, served.model_info)
+    check_size(data, **served.size_limits())
+    job = jobs.messages_job(data, model, served.config.model.sampling)
+    events, trace = await respond.start(served, job, "messages", metrics.observe, receive=request.receive)
+    clamped = job.max_tokens_clamped_from is not None
+    if not data.stream:
+        outputs = await respond.collect(events, trace, request.receive)
+        return render.message(job.request_id, model, outputs[0], trace.done, clamped)
+    renderer = render.MessageRenderer(job.request_id, model, len(job.prompt_ids), clamped)
+    return EventStream(respond.stream_sse(events, trace, renderer))

@@ -41,6 +41,7 @@ class EventStream(Stream):
 
     def __init__(self, frames: AsyncIterator[bytes]) -> None:
         super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.frames = frames  # for a stream that sends them after frames of its own (mlxd.api.loading)
 
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["media_type"] = "text/event-stream"

@@ -16,7 +16,7 @@ from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from mlxd.api import respond
+from mlxd.api import loading, respond
 from mlxd.api.body import StrictJSON
 from mlxd.api.metrics import Metrics
 from mlxd.api.output import EventStream
@@ -25,6 +25,7 @@ from mlxd.api.responses_render import ResponsesRenderer, replay
 from mlxd.api.responses_schemas import ResponseObject, ResponsesRequest
 from mlxd.api.validate import check_size
 from mlxd.daemon import Daemon
+from mlxd.model_slot import ModelSlot
 
 
 class ResponsesController(Controller):
@@ -37,18 +38,29 @@ class ResponsesController(Controller):
         metrics: NamedDependency[Metrics],
     ) -> ResponseObject | EventStream:
         """A model response to ``input``: a response object, or (``stream``) its named SSE events ending with
-        ``response.completed``, ``response.incomplete`` or ``response.failed``."""
-        served = await daemon.models.acquire(data.model)  # loads it if it is not loaded
-        model = served.name
-        check_size(data, **served.size_limits())
-        job, settings = responses_job(data, model, served.config.model.sampling)
-        events, trace = await respond.start(served, job, "responses", metrics.observe, receive=request.receive)
-        renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
-        if data.stream:
-            return EventStream(respond.stream_sse(events, trace, renderer))
-        recorded: list[tuple[int, Any]] = []
-        await respond.collect(_recording(events, recorded), trace, request.receive)
-        return replay(renderer, recorded)
+        ``response.completed``, ``response.incomplete`` or ``response.failed``. A request for a model that is not
+        loaded waits for it (a stream with keep-alives)."""
+
+        def before_wait(served: ModelSlot) -> loading.ErrorFrames:
+            check_size(data, **served.size_limits())
+            job, settings = responses_job(data, served.name, served.config.model.sampling)
+            return loading.error_frames(ResponsesRenderer(job.request_id, int(time.time()), settings))
+
+        return await loading.answer(await daemon.models.admit(data.model), data.stream,
+                                    lambda served: _response(request, data, served, metrics), before_wait)
+
+
+async def _response(request: Request, data: ResponsesRequest, served: ModelSlot,
+                    metrics: Metrics) -> ResponseObject | EventStream:
+    check_size(data, **served.size_limits())
+    job, settings = responses_job(data, served.name, served.config.model.sampling)
+    events, trace = await respond.start(served, job, "responses", metrics.observe, receive=request.receive)
+    renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
+    if data.stream:
+        return EventStream(respond.stream_sse(events, trace, renderer))
+    recorded: list[tuple[int, Any]] = []
+    await respond.collect(_recording(events, recorded), trace, request.receive)
+    return replay(renderer, recorded)
 
 
 async def _recording(events: AsyncIterator[tuple[int, Any]], into: list[tuple[int, Any]]
