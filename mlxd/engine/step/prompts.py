@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from mlxd.cache.quantized import QuantizedLayer
 from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs
 from mlxd.engine.step.row import Row
@@ -56,7 +57,7 @@ def process_prompt(model: Any, row: Row, tokens: list[int], *, last: bool, start
 
 
 # Cache types whose batched form can be left-padded before a first forward pass.
-_LEFT_PADDABLE = (KVCache, RotatingKVCache, ArraysCache)
+_LEFT_PADDABLE = (KVCache, RotatingKVCache, ArraysCache, QuantizedLayer)
 
 # Whole prompts processed together are left-padded to a multiple of this many positions on GPU backends. MLX's CUDA
 # backend builds work for each new shape of a pass: on an H200 (Qwen3-8B shape) 16 prompts of 27 tokens took 73 ms
@@ -146,7 +147,8 @@ def can_continue_together(rows: list[Row]) -> bool:
     """Whether these rows, each holding a cached prefix of its prompt (attention layers only), can run the rest of
     their prompts in one pass (:func:`process_continuations`)."""
     return len(rows) > 1 and all(row.vision is None and not row.processors and not row.wants_hidden
-                                 and all(type(c) is KVCache and not c.empty() for c in row.cache) for row in rows)
+                                 and all(type(c) in (KVCache, QuantizedLayer) and not c.empty() for c in row.cache)
+                                 for row in rows)
 
 
 def process_continuations(model: Any, rows: list[Row], suffixes: list[list[int]],
