@@ -17,7 +17,8 @@ Caches that cannot be trimmed (recurrent layers: hybrid models) are only reused 
   reuses all of it, wherever in a message it ends.
 
 Each text position becomes a token position only where the prompt's tokens split there exactly: the tokens of the
-text before it are the prompt's first tokens (a position inside a merged token is dropped).
+text before it are the prompt's first tokens, or those of the text after it its last ones (a position inside a
+merged token is dropped).
 """
 
 from __future__ import annotations
@@ -100,12 +101,17 @@ def locate_marks(marked_text: str, marks: Sequence[str], prompt_text: str) -> di
 def token_position(encode: Callable[[str], list[int]], prompt_text: str, prompt_ids: Sequence[int],
                    offset: int) -> int | None:
     """The token position where ``prompt_text[:offset]`` ends in ``prompt_ids``, when the prompt's tokens split
-    there exactly (the text before it tokenizes to the prompt's first tokens); else None."""
+    there exactly: the text before it tokenizes to the prompt's first tokens, or the text after it to its last ones
+    (whichever text is shorter is tokenized); else None."""
     if offset <= 0 or offset >= len(prompt_text):
         return None
-    head = encode(prompt_text[:offset])
-    n = len(head)
-    return n if 0 < n < len(prompt_ids) and list(prompt_ids[:n]) == head else None
+    if offset <= len(prompt_text) // 2:
+        head = encode(prompt_text[:offset])
+        n = len(head)
+        return n if 0 < n < len(prompt_ids) and list(prompt_ids[:n]) == head else None
+    tail = encode(prompt_text[offset:])
+    n = len(prompt_ids) - len(tail)
+    return n if 0 < n < len(prompt_ids) and list(prompt_ids[n:]) == tail else None
 
 
 class SharedPrefixes:
