@@ -220,3 +220,11 @@ def test_a_hit_from_disk_names_its_entry_and_discarding_it_deletes_the_file(llam
         assert cache.lookup(prompt).kind == "miss" and cache.stats()["disk"]["num_entries"] == 0
     finally:
         engine.stop()
+
+
+def test_a_folder_that_cannot_be_used_stops_the_start_naming_the_field(llama, tmp_path):
+    model, _ = llama
+    (tmp_path / "a-file").write_text("not a folder")
+    engine = BatchedEngine(model, EngineConfig(max_running=1, prefix_cache_dir=str(tmp_path / "a-file")))
+    with pytest.raises(ConfigError, match=r"engine\.prefix_cache_dir: cannot use .*a-file"):
+        engine.start()

@@ -43,6 +43,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 
 from mlxd.cache.index import Match, PrefixIndex
 from mlxd.cache.store import Snapshot, restore, take_snapshot
+from mlxd.errors import ConfigError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.cache")
@@ -392,5 +393,8 @@ def make_disk_tier(config: Any, model: Any) -> DiskTier | None:
                 "kv_group_size": config.kv_group_size if config.kv_bits else None,
                 "max_kv_size": config.max_kv_size, "byteorder": sys.byteorder}
     tier = DiskTier(config.prefix_cache_dir, config.prefix_cache_disk_bytes, identity)
-    tier.open()
+    try:
+        tier.open()
+    except OSError as e:
+        raise ConfigError(f"engine.prefix_cache_dir: cannot use {tier.folder}: {e.strerror or e}") from e
     return tier
