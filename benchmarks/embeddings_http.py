@@ -63,7 +63,8 @@ def vllm_command(args: argparse.Namespace, folder: Path, port: int) -> list[str]
 
 async def post(client, port: int, model: str, inputs: list[str]) -> None:
     response = await client.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": model, "input": inputs})
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(f"port {port}: {response.status_code} {response.text[:400]}")
     data = response.json()["data"]
     if len(data) != len(inputs) or not data[0]["embedding"]:
         raise RuntimeError(f"port {port}: {len(data)} vectors for {len(inputs)} inputs")
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, folder: Path, texts: list[str]) -> tuple[dict,
     samples: dict[tuple[str, str], list[float]] = {}
     startup: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        ports = {}
+        ports, names = {}, {"mlxd": folder.name, "vllm_mlx": str(folder)}  # vllm-mlx knows it by its path
         for name in args.servers.split(","):
             port = free_port()
             if name == "mlxd":
@@ -102,11 +103,11 @@ def run(args: argparse.Namespace, folder: Path, texts: list[str]) -> tuple[dict,
             started = time.perf_counter()
             stack.enter_context(serve(command, port, Path(tmp) / f"{name}.log", health))
             startup[name], ports[name] = time.perf_counter() - started, port
-        for port in ports.values():  # first shapes met: not counted
-            asyncio.run(measure(port, folder.name, texts))
+        for name, port in ports.items():  # first shapes met: not counted
+            asyncio.run(measure(port, names[name], texts))
         for _ in range(args.rounds):
             for name, port in ports.items():
-                for way, value in asyncio.run(measure(port, folder.name, texts)).items():
+                for way, value in asyncio.run(measure(port, names[name], texts)).items():
                     samples.setdefault((name, way), []).append(value)
     return {key: statistics.median(values) for key, values in samples.items()}, startup
 
