@@ -19,7 +19,7 @@ assembled from a TOML config.
 
   mlxd --config configs/default.toml            serve (host/port from the file's [server] table)
   mlxd --config FILE --host 0.0.0.0 --port 9000 serve, overriding the file's host and port
-  mlxd check-config FILE [--host H] [--port N]   validate a config and its pipeline, check that the model
+  mlxd check-config FILE [--host H] [--port N]   validate a config and its pipelines, check that every model's
                                                  source exists, print every setting's value and where it
                                                  came from (default, file, flag) and the pipeline; exit
                                                  non-zero naming the file, stage and field on errors
@@ -72,14 +72,25 @@ def serve_flags(args: argparse.Namespace) -> dict[str, object]:
     return {key: value for key, value in flags.items() if value is not None}
 
 
-def check_model_source(config, path: Path) -> Path:
-    """``[model] source`` checked (nothing loaded or downloaded); a ``ModelLoadError`` names the file and field."""
+def check_model_sources(config, path: Path, *, at_start_only: bool = False) -> dict[str, Path]:
+    """Each configured model's ``source`` checked (nothing loaded or downloaded; ``at_start_only``: the models loaded
+    at start), their local paths by served name. A ``ModelLoadError`` names the file and the field of every model
+    whose source is not there (``[model] source``, ``[models.NAME] source``)."""
+    from mlxd.config.models import served_models
     from mlxd.models.load import check_source
 
-    try:
-        return check_source(config.model.source, path.resolve().parent)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: [model] source: {e.message}", param="model.source") from e
+    folders, errors, fields = {}, [], []
+    for served in served_models(config):
+        if at_start_only and served.load != "at_start":
+            continue
+        try:
+            folders[served.name] = check_source(served.config.model.source, path.resolve().parent)
+        except ModelLoadError as e:
+            errors.append(f"{path}: [{served.table}] source: {e.message}")
+            fields.append(f"{served.table}.source")
+    if errors:
+        raise ModelLoadError("\n".join(errors), param=fields[0])
+    return folders
 
 
 def check_config(argv: list[str]) -> int:
@@ -89,7 +100,8 @@ def check_config(argv: list[str]) -> int:
     check_mlx_lm_can_load()
     config, pipeline = load_everything(args.config)
     model = config.model
-    folder = check_model_source(config, args.config)
+    folders = check_model_sources(config, args.config)
+    folder = next(iter(folders.values()))  # the first model's: its sampling defaults are shown below
     from mlxd.api.auth import load_keys
 
     keys = load_keys(config.server, args.config.resolve().parent)  # a missing keys file fails here, not at start
@@ -99,6 +111,9 @@ def check_config(argv: list[str]) -> int:
 
     flags = serve_flags(args)
     print(f"{args.config}: OK")
+    if config.models:
+        for (name, source), table in zip(folders.items(), config.models, strict=True):
+            print(f"[models.{table}] {name}: source {source}")
     for setting in effective_settings(apply_flags(config, flags), read_toml(args.config), flags,
                                       model_sampling=model_sampling(model.source, folder)):
         print(setting.describe())
@@ -131,7 +146,7 @@ def serve(argv: list[str]) -> NoReturn:
     from mlxd.log import configure_logging, get_logger
     from mlxd.server import run_server
 
-    check_model_source(config, args.config)  # a missing model fails before the port
+    check_model_sources(config, args.config, at_start_only=True)  # a missing model loaded at start fails before the port
 
     config = apply_flags(config, serve_flags(args))
     server = config.server

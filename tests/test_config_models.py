@@ -82,6 +82,9 @@ def test_load_policy_can_be_set(tmp_path):
     ('[models.a]\nsource = "a"\n[models.b]\nsource = "b"\nname = "a"\n', "models.b.name"),
     ('[model]\nsource = "a"\n[models.b]\nsource = "b"\n', "not both"),
     ('[models.a]\nsource = "a"\npipeline = "nonesuch"\n', "nonesuch"),
+    ('[models.e]\nsource = "e"\nkind = "embedding"\n[distributed]\n', "models.e.kind: an embedding model"),
+    ('[model]\nsource = "e"\nkind = "embedding"\n[distributed]\n', "model.kind: an embedding model"),
+    ('[models.a]\nsource = "a"\n[models.b]\nsource = "b"\n[distributed]\n', "models: a [distributed] job serves one"),
 ])
 def test_errors_name_the_file_and_the_model_field(tmp_path, text, expected):
     path = write(tmp_path, text)
@@ -100,3 +103,21 @@ def test_the_readme_s_several_models_config_is_valid(tmp_path):
     assert (vision.name, vision.load, vision.idle_unload_s) == ("vision", "on_request", 600)
     assert (embed.config.model.kind, embed.load, embed.config.engine.max_waiting) == ("embedding", "at_start", 256)
     assert config.server.models_memory_bytes == 48_000_000_000
+
+
+def test_check_config_checks_every_model_s_source_and_names_each_bad_one(tmp_path, tiny_model_dir, capsys):
+    from mlxd.cli import main
+
+    text = (f'[models.a]\nsource = "{tiny_model_dir}"\n[models.b]\nsource = "no-such-folder"\n'
+            f'[models.c]\nsource = "{tiny_model_dir}"\nname = "cc"\n[models.d]\nsource = "org/some-model"\n')
+    path = write(tmp_path, text)
+    assert main(["check-config", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert f"{path}: [models.b] source: " in error and "no-such-folder" in error
+    assert f"{path}: [models.d] source: " in error and "hub id" in error  # every bad model, not only the first
+    assert "[models.a]" not in error and "[models.c]" not in error
+    path.write_text(text.replace("no-such-folder", str(tiny_model_dir)).replace("org/some-model", str(tiny_model_dir)))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for line in ("[models.a] a: source", "[models.b] b: source", "[models.c] cc: source", "[models.d] d: source"):
+        assert f"{line} {tiny_model_dir}" in out, out

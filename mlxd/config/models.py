@@ -67,14 +67,26 @@ def normalise(config: DaemonConfig, source: str) -> DaemonConfig:
     if config.model is None and not config.models:
         raise ConfigError(f"{source}: Object missing required table `model`; give [model] (or [models.NAME] tables) "
                           "with a source")
+    if config.distributed is not None:
+        check_distributed(config, source)
     if not config.models:
         return config
-    if config.distributed is not None and len(config.models) > 1:
-        raise ConfigError(f"{source}: models: a [distributed] job serves one model; {len(config.models)} are "
-                          "configured")
     seen: dict[str, str] = {}
     for served in served_models(config):
         if served.name in seen:
             raise ConfigError(f"{source}: {served.table}.name: {served.name!r} is also the name of {seen[served.name]}")
         seen[served.name] = served.table
     return msgspec.structs.replace(config, model=served_models(config)[0].config.model)
+
+
+def check_distributed(config: DaemonConfig, source: str) -> None:
+    """What a ``[distributed]`` job cannot serve: several models, or an embedding model (its engine pools vectors
+    in one process; the ranks of a job run a generating model's steps together). ``ConfigError`` names the field."""
+    if len(config.models) > 1:
+        raise ConfigError(f"{source}: models: a [distributed] job serves one model; {len(config.models)} are "
+                          "configured")
+    [served] = served_models(config)
+    if served.config.model.kind == "embedding":
+        raise ConfigError(f"{source}: {served.table}.kind: an embedding model (kind = \"embedding\") is not served by "
+                          "a [distributed] job, whose ranks run a generating model's steps together; serve it from a "
+                          "daemon without [distributed]")
