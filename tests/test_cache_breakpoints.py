@@ -211,3 +211,28 @@ def test_prompt_cache_key_snapshots_the_prefix_its_requests_share(surface, tiny_
         client.delete("/v1/cache").raise_for_status()
         # With one: the second request snapshots where it parts from the first; the third reuses all of that.
         assert [send(client, tail, "agent-7") for tail in tails] == [0, 0, shared]
+
+
+def test_cache_control_on_openai_content_parts_is_a_breakpoint(tiny_qwen3_next_dir, tmp_path):
+    """Routers pass Anthropic's ``cache_control`` on in OpenAI-shaped bodies: a text part's breakpoint is where its
+    text ends, and a hybrid model's next request with the same leading part reuses exactly up to there."""
+    tokenizer = load_tokenizer(tiny_qwen3_next_dir)
+    context = "Project context: " + "the parser reads tokens and the checker verifies types. " * 8
+
+    def messages(question: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": context, "cache_control": EPHEMERAL},
+                                             {"type": "text", "text": question}]}]
+
+    # The oracle: the prompt as the template renders it (normalize joins text parts with a line break), and the
+    # token position whose tokens are exactly its text up to the end of the marked part.
+    text = tokenizer.apply_chat_template([{"role": "user", "content": context + "\nWhat is the checker?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    offset = text.index(context) + len(context)
+    (expected,) = [p for p in range(1, len(ids)) if tokenizer.decode(ids[:p]) == text[:offset]]
+    with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
+        first = chat(client, messages("Where is main?"))
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        second = chat(client, messages("What is the checker?"))
+        assert second["usage"]["prompt_tokens"] == len(ids)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == expected, second["usage"]

@@ -17,6 +17,7 @@ from mlxd.errors import RequestError
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.render import check_template_switches
 from mlxd.pipeline.stage import ModelInfo
+from mlxd.pipeline.stages.template_points import Breakpoints
 
 
 def new_request_id(prefix: str) -> str:
@@ -55,10 +56,12 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    marks = Breakpoints(new_request_id("chatcmpl"))
     return Job(
-        request_id=new_request_id("chatcmpl"),
+        request_id=marks.request_id,
         model=model,
-        messages=msgspec.to_builtins(body.messages),
+        messages=[_marked(message, marks) for message in msgspec.to_builtins(body.messages)],
+        cache_breakpoints=tuple(marks.marks),
         tools=tools,
         template_kwargs=_template_kwargs(body),
         max_tokens=limit,
@@ -71,6 +74,21 @@ def chat_job(body: ChatCompletionRequest, model: str, defaults: SamplingDefaults
         speculative=body.speculative,
         prompt_cache_key=body.prompt_cache_key,
     )
+
+
+def _marked(message: dict[str, Any], marks: Breakpoints) -> dict[str, Any]:
+    """A chat message whose text parts' ``cache_control`` (Anthropic's breakpoints, as routers pass them on in
+    OpenAI-shaped bodies) became markers where their text ends (:mod:`mlxd.pipeline.stages.template_points`)."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any("cache_control" in part for part in content):
+        return message
+    parts = []
+    for part in content:
+        part = dict(part)
+        if part.pop("cache_control", None) and isinstance(part.get("text"), str):
+            part["text"] = marks.after(part["text"])
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> intent.ToolChoice:

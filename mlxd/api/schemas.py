@@ -61,6 +61,9 @@ class ContentPart(Lenient, kw_only=True):
     type: Literal["text", "image_url", "input_text", "image", "input_image", "video_url", "input_video", "video"]
     text: str | None = None
     image_url: ImageURL | str | None = None
+    # A cache breakpoint where this text part ends, as Anthropic's (sent on OpenAI-shaped bodies by clients that
+    # also talk to Anthropic models through a router): mlxd.api.jobs.
+    cache_control: Any = None
 
 
 class FunctionCall(Lenient, kw_only=True):
