@@ -4,8 +4,7 @@ what a text row does.
 
 The feature cache keeps each image's vision-tower output by the image's content digest, within a byte budget (least
 recently used first out): an image re-sent in a later turn, or after a different system prompt, costs no
-vision-tower call. Families whose image inputs cannot be split per image run the vision tower on every request
-(``mlxd.models.vlm`` lists the families that split).
+vision-tower call.
 
 The engine comes here for the requests the ``route`` stage sent down the ``vision`` path (``EngineRequest.route``),
 and only for those. One method runs the vision tower, :meth:`VisionPrefill.encode`; what differs is where and when
@@ -20,8 +19,9 @@ it runs:
 - as a request's prompt starts, for those of its images the feature cache still lacks (:meth:`VisionPrefill.prepare`;
   the encoder's job failed, say), where a failure ends that request only.
 
-Families whose image inputs cannot be split per image have no features of their own to cache: mlx-vlm's merge runs
-their tower with the prompt (:meth:`~mlxd.models.vlm.VisionLanguageModel.embed` given no features).
+Families whose image inputs cannot be split per image (``mlxd.models.vlm`` lists those that split) have no features
+of their own to cache: mlx-vlm's merge runs their tower with the prompt, on every request
+(:meth:`~mlxd.models.vlm.VisionLanguageModel.embed` given no features, in :meth:`VisionPrefill.prepare`).
 """
 
 from __future__ import annotations
