@@ -51,9 +51,18 @@ def chat(client, messages: list[dict], **extra) -> dict:
     return response.json()
 
 
-def openai(client, user: str) -> dict:
-    return chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-                tools=OPENAI_TOOLS)
+def openai(client, surface: str, user: str) -> tuple[list, int]:
+    """A new conversation with the system prompt and tools on ``surface``: its output and cached prompt tokens."""
+    if surface == "chat":
+        body = chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                    tools=OPENAI_TOOLS)
+        return body["choices"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    tools = [{"type": "function", **tool["function"]} for tool in OPENAI_TOOLS]
+    response = client.post("/v1/responses", json={"model": "tiny", "instructions": SYSTEM, "input": user,
+                                                  "tools": tools, "temperature": 0, "max_output_tokens": 6})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return body["output"], body["usage"]["input_tokens_details"]["cached_tokens"]
 
 
 def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(tiny_qwen3_next_dir, tmp_path):
@@ -71,14 +80,21 @@ def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(t
         assert cold["usage"]["input_tokens"] == second["usage"]["input_tokens"] + n
 
 
-def test_a_new_openai_conversation_reuses_the_whole_system_prompt_and_tools(tiny_qwen3_next_dir, tmp_path):
+@pytest.mark.parametrize("surface", ["chat", "responses"])
+def test_a_new_openai_conversation_reuses_the_whole_system_prompt_and_tools(surface, tiny_qwen3_next_dir,
+                                                                            tmp_path):
     n = block_length(tiny_qwen3_next_dir)
     with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
-        assert openai(client, "List the files, please.")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        second = openai(client, "Open the parser and explain it.")
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n, second["usage"]
+        assert openai(client, surface, "List the files, please.")[1] == 0
+        output, cached = openai(client, surface, "Open the parser and explain it.")
+        assert cached == n
         client.delete("/v1/cache").raise_for_status()
-        assert openai(client, "Open the parser and explain it.")["choices"] == second["choices"]
+        cold_output, cold_cached = openai(client, surface, "Open the parser and explain it.")
+        assert cold_cached == 0 and _without_ids(cold_output) == _without_ids(output)
+
+
+def _without_ids(output: list) -> list:
+    return [{k: v for k, v in item.items() if k != "id"} for item in output]
 
 
 def staged(model_dir, chat_template: str | None) -> tuple[Template, object]:
