@@ -20,12 +20,10 @@ from mlxd.errors import MlxdError, NotReady
 from mlxd.log import get_logger
 from mlxd.model_slot import SlotHooks
 from mlxd.model_slot import special_token_ids as special_token_ids  # where callers have found it
-from mlxd.pipeline.job import Job
 from mlxd.pipeline.pipeline import Pipeline
 from mlxd.pipeline.preparation import Preparation
 from mlxd.pipeline.stage import ModelInfo
 from mlxd.registry import ModelRegistry, pipeline_path
-from mlxd.runtime.cancel import CancelFlag
 from mlxd.runtime.device_turn import DeviceTurn
 from mlxd.runtime.heap import PAUSES, freeze_loaded_objects
 
@@ -188,14 +186,6 @@ class Daemon:
         previous, self.state = self.state, "stopped"
         log.info("shutdown", previous_state=previous, error=self.error, **totals)
 
-    async def prepare(self, job: Job, flag: CancelFlag, until: str | None = None) -> Job:
-        """The first model's :meth:`mlxd.model_slot.ModelSlot.prepare` (for one-model callers)."""
-        return await self.models.first.prepare(job, flag, until)
-
-    def size_limits(self) -> dict[str, int]:
-        """The first model's bounds for ``mlxd.api.validate.check_size``."""
-        return self.models.first.size_limits()
-
     def _engines(self) -> list[Any]:
         return [slot.engine for slot in self.models.slots if slot.engine is not None]
 
@@ -280,13 +270,6 @@ class Daemon:
         except NotReady as e:
             return 503, body, e.retry_after
         return 200, body, None
-
-    def served_names(self) -> list[str]:
-        return self.models.names()
-
-    def resolve_model(self, requested: str) -> str:
-        """The served name a request's ``model`` names (a name, a source or an alias glob), else 404."""
-        return self.models.resolve(requested).name
 
 
 def run_follower(config: DaemonConfig, group: Any, base_dir: Path | None = None) -> int:

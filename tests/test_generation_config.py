@@ -107,7 +107,8 @@ def test_the_embedded_model_is_served_as_the_readme_names_it(tmp_path):
     config = tmp_path / "mlxd.toml"
     config.write_text('[model]\nsource = "embedded:smollm2-135m"\n')
     daemon = Daemon(*load_everything(config), base_dir=tmp_path)
-    assert daemon.served_names() == ["smollm2-135m"]
-    assert daemon.resolve_model("smollm2-135m") == daemon.resolve_model("embedded:smollm2-135m") == "smollm2-135m"
+    assert daemon.models.names() == ["smollm2-135m"]  # the registry: what the API resolves a request's model by
+    assert daemon.models.resolve("smollm2-135m") is daemon.models.resolve("embedded:smollm2-135m")
+    assert daemon.models.resolve("embedded:smollm2-135m").name == "smollm2-135m"
     with pytest.raises(ModelNotFound):
-        daemon.resolve_model("smollm2")
+        daemon.models.resolve("smollm2")

@@ -107,12 +107,12 @@ def test_beyond_max_preparing_is_429_and_the_drain_counts_preparing(tiny_model_d
     daemon = _gated_daemon(tmp_path, tiny_model_dir, "prepare_workers = 1\nmax_preparing = 2")
 
     async def main() -> None:
-        first = asyncio.ensure_future(daemon.prepare(_job("a"), CancelFlag()))
-        second = asyncio.ensure_future(daemon.prepare(_job("b"), CancelFlag()))  # waits for the one worker
+        first = asyncio.ensure_future(daemon.models.first.prepare(_job("a"), CancelFlag()))
+        second = asyncio.ensure_future(daemon.models.first.prepare(_job("b"), CancelFlag()))  # waits for the one worker
         await asyncio.sleep(0.1)
         assert daemon.preparation.num_preparing == 2
         with pytest.raises(Overloaded) as info:
-            await daemon.prepare(_job("c", "fast"), CancelFlag())
+            await daemon.models.first.prepare(_job("c", "fast"), CancelFlag())
         assert info.value.status == 429 and info.value.retry_after >= 1
         started = time.monotonic()
         await daemon.drain(0.3)  # both still held: the drain waits its timeout, then stops them

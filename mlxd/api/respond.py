@@ -27,10 +27,10 @@ from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
 from mlxd.api.output import Output, Renderer, sse, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
-from mlxd.daemon import Daemon
 from mlxd.engine.base import Failed, Finished, Plain
 from mlxd.errors import MlxdError, PipelineError
 from mlxd.log import get_logger
+from mlxd.model_slot import ModelSlot
 from mlxd.pipeline.events import Done, KeepAlive, TokenLogprobs
 from mlxd.pipeline.job import Job
 from mlxd.runtime.cancel import CancelFlag, Cancelled
@@ -178,7 +178,7 @@ def _decode_fields(decode: dict[str, Any] | None, job: Job) -> dict[str, Any] | 
                                                                                        "drafter": mode.drafter}
 
 
-async def start(daemon: Daemon, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
+async def start(served: ModelSlot, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
                 n: int = 1, receive: Receive | None = None) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
     """Prepare the job (:func:`prepare`) and open its stream (``n`` choices: :mod:`mlxd.api.choices`); errors here
     (bad request, overload, a client gone) become HTTP errors. The stream yields ``(choice index, event)``.
@@ -186,9 +186,9 @@ async def start(daemon: Daemon, job: Job, endpoint: str, on_end: Callable[[Trace
     """
     structlog.contextvars.bind_contextvars(request_id=job.request_id)
     trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
-    pipeline = daemon.pipeline
+    pipeline = served.pipeline
     try:
-        await prepare(daemon, job, receive)
+        await prepare(served, job, receive)
         trace.prepare_s = round(time.monotonic() - trace.started, 4)
         jobs = siblings(job, n)
         if job.engine_request is not None:  # the first choice's account (siblings are copies made before this)
@@ -206,16 +206,16 @@ async def start(daemon: Daemon, job: Job, endpoint: str, on_end: Callable[[Trace
     return fan_in(pipeline, jobs, _prepend(first, events)), trace
 
 
-async def prepare(daemon: Daemon, job: Job, receive: Receive | None = None, until: str | None = None) -> Job:
-    """Run the stages' ``prepare`` (rendering, tokenizing, images; up to the stage ``until``) on one of the daemon's
-    preparation workers (:meth:`Daemon.prepare`: a 429 when too many wait for them), never on the event loop or
+async def prepare(served: ModelSlot, job: Job, receive: Receive | None = None, until: str | None = None) -> Job:
+    """Run the model's stages' ``prepare`` (rendering, tokenizing, images; up to the stage ``until``) on one of the
+    daemon's preparation workers (:meth:`ModelSlot.prepare`: a 429 when too many wait for them), never on the event loop or
     its default executor, so ``/health`` and every other request keep being answered.
 
     With the request's ASGI ``receive`` channel, a client that leaves meanwhile stops the work at its next check
     (between stages, between images) and :class:`ClientDisconnected` is raised at once.
     """
     flag = CancelFlag()
-    work = asyncio.ensure_future(daemon.prepare(job, flag, until))
+    work = asyncio.ensure_future(served.prepare(job, flag, until))
     gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
     try:
         await asyncio.wait({work, gone} if gone is not None else {work}, return_when=asyncio.FIRST_COMPLETED)
