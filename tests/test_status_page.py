@@ -92,6 +92,8 @@ def expect_live_data(page: Page) -> None:
     assert memory["active"].endswith(("KiB", "MiB", "GiB"))
     cache = page.locator("#cache dt").all_inner_texts()
     assert {"entries", "size", "hits: exact", "misses", "evictions"} <= set(cache)
+    [model] = page.locator("#models dd").all_inner_texts()  # the model's memory as the models' budget counts it
+    assert model.startswith("ready · ") and " held (" in model and " KV, " in model and " prefix cache) " in model
 
 
 def test_page_shows_the_running_request(browser, tiny_model_dir, tmp_path):
