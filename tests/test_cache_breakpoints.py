@@ -36,8 +36,11 @@ def block_length(model_dir) -> int:
 
 
 def anthropic(client, user: str) -> dict:
+    # As Claude Code sends it: a billing header block that changes with each conversation (left out of the prompt),
+    # then the system prompt with a breakpoint; tools with one on the last; one on the user's text.
+    header = f"x-anthropic-billing-header: cc_version=2.1.{len(user)}; cch={abs(hash(user)) % 10**6};"
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "tools": ANTHROPIC_TOOLS,
-            "system": [{"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
+            "system": [{"type": "text", "text": header}, {"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": user, "cache_control": EPHEMERAL}]}]}
     response = client.post("/v1/messages", json=body)
     assert response.status_code == 200, response.text
@@ -192,6 +195,10 @@ def test_shared_prefixes_remember_the_last_prompt_of_each_key():
     assert shared.shared("a", [1, 2, 9, 7]) == 3
     assert shared.shared("b", [1, 2]) == 0 and shared.shared("c", [5]) == 0
     assert shared.shared("a", [1, 2, 9]) == 0  # the least recently used key was forgotten
+    bounded = SharedPrefixes(max_tokens=6)
+    bounded.shared("a", [1, 2, 3, 4])
+    bounded.shared("b", [1, 2, 3])  # 7 tokens held: "a" goes
+    assert bounded.shared("b", [1, 2, 5]) == 2 and bounded.shared("a", [1, 2]) == 0
 
 
 SHARED = "Repository notes for the session: " + "the parser reads tokens, the checker verifies types. " * 6

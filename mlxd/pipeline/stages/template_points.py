@@ -115,22 +115,27 @@ def token_position(encode: Callable[[str], list[int]], prompt_text: str, prompt_
 
 
 class SharedPrefixes:
-    """``prompt_cache_key``'s memory: the last prompt (token ids) seen with each key, for the ``max_keys`` keys
-    used most recently. :meth:`shared` returns how many leading tokens a new prompt shares with its key's previous
-    one and remembers the new prompt in its place; thread-safe."""
+    """``prompt_cache_key``'s memory: the last prompt (token ids) seen with each key, for the keys used most
+    recently, at most ``max_keys`` of them and ``max_tokens`` tokens together (4 bytes each). :meth:`shared` returns
+    how many leading tokens a new prompt shares with its key's previous one and remembers the new prompt in its
+    place; thread-safe."""
 
-    def __init__(self, max_keys: int = 256) -> None:
+    def __init__(self, max_keys: int = 256, max_tokens: int = 1 << 23) -> None:
         self.max_keys = max_keys
+        self.max_tokens = max_tokens
         self._prompts: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._num_tokens = 0
         self._lock = threading.Lock()
 
     def shared(self, key: str, prompt: Sequence[int]) -> int:
-        tokens = np.asarray(prompt, dtype=np.int64)
+        tokens = np.asarray(prompt, dtype=np.int32)
         with self._lock:
             previous = self._prompts.pop(key, None)
+            self._num_tokens += len(tokens) - (len(previous) if previous is not None else 0)
             self._prompts[key] = tokens
-            while len(self._prompts) > self.max_keys:
-                self._prompts.popitem(last=False)
+            while len(self._prompts) > 1 and (len(self._prompts) > self.max_keys
+                                              or self._num_tokens > self.max_tokens):
+                self._num_tokens -= len(self._prompts.popitem(last=False)[1])
         if previous is None:
             return 0
         n = min(len(previous), len(tokens))
