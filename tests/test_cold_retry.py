@@ -82,3 +82,43 @@ def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fi
         assert engine.status()["running"] == [] and engine.status()["waiting"] == []
     finally:
         engine.stop()
+
+
+def test_a_broken_state_in_a_shared_pass_fails_only_its_own_request_and_it_runs_cold(tiny_model_dir):
+    """Rests of prompts that start from cached states share one forward pass; one broken state fails the pass, the
+    rows are retried alone, and only the broken one runs again from its start."""
+    model, tokenizer = load(str(tiny_model_dir))
+    engine = BatchedEngine(model, EngineConfig(max_running=4, prefill_chunk=256))
+    engine.start()
+    try:
+        good, bad = (tokenizer.encode(f"Agent {name}: " + PROMPT) for name in ("one", "two"))
+        cold = {name: run(engine, EngineRequest(request_id=f"cold-{name}", prompt=p, max_tokens=8))[0]
+                for name, p in (("good", good), ("bad", bad))}
+        asyncio.run(engine.clear_prefix_cache())
+        run(engine, EngineRequest(request_id="warm-good", prompt=good[:60], max_tokens=1))  # a real state
+        engine.reuse.keep(bad[:40], broken_state(model, 40))
+
+        async def both():
+            handles = [engine.submit(EngineRequest(request_id=name, prompt=p, max_tokens=8))
+                       for name, p in (("good", good), ("bad", bad))]
+            out = {}
+            for handle in handles:
+                tokens = []
+                async for event in handle.events():
+                    if isinstance(event, Token):
+                        tokens.append(event.token)
+                    elif isinstance(event, Finished | Failed):
+                        assert isinstance(event, Finished), event
+                        out[handle.request_id] = (tokens, event)
+            return out
+
+        with capture_logs() as logs:
+            out = asyncio.run(both())
+        assert out["good"][0] == cold["good"] and out["good"][1].num_cached_tokens > 0
+        assert out["bad"][0] == cold["bad"] and out["bad"][1].num_cached_tokens == 0
+        assert [line["request_id"] for line in logs if line["event"] == "prefix_entry_failed"] == ["bad"]
+        assert not [line for line in logs if line["event"] == "request_failed"]
+        groups = [line for line in logs if line["event"] == "prompt_group_failed"]
+        assert groups and sorted(groups[0]["request_ids"]) == ["bad", "good"]
+    finally:
+        engine.stop()
