@@ -49,8 +49,9 @@ def broken_state(model, num_tokens: int) -> list:
     return layers
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen3_next_dir"])
-def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fixture, request):
+@pytest.mark.parametrize(("model_fixture", "kind"), [("tiny_model_dir", "prefix"), ("tiny_model_dir", "longer"),
+                                                    ("tiny_qwen3_next_dir", "prefix")])
+def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fixture, kind, request):
     model, tokenizer = load(str(request.getfixturevalue(model_fixture)))
     engine = BatchedEngine(model, EngineConfig(max_running=2, prefill_chunk=32))
     engine.start()
@@ -59,8 +60,10 @@ def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fi
         cold, finished = run(engine, ask("cold", prompt))
         assert finished.num_cached_tokens == 0
         asyncio.run(engine.clear_prefix_cache())
-        k = 40
-        engine.reuse.keep(prompt[:k], broken_state(model, k))
+        # An entry that holds the prompt's first 40 tokens, or (trimmed back: a "longer" hit) more than the prompt.
+        entry = prompt[:40] if kind == "prefix" else prompt + tokenizer.encode(" and more")
+        k = 40 if kind == "prefix" else len(prompt) - 1
+        engine.reuse.keep(entry, broken_state(model, len(entry)))
         assert engine.cache_stats()["num_entries"] == 1
         with capture_logs() as logs:
             tokens, finished = run(engine, ask("warm", prompt))
@@ -69,6 +72,7 @@ def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fi
         failed = [line for line in logs if line["event"] == "prefix_entry_failed"]
         assert len(failed) == 1, logs
         assert failed[0]["request_id"] == "warm" and failed[0]["num_cached_tokens"] == k
+        assert failed[0]["cache_hit"] == kind and failed[0]["num_entry_tokens"] == len(entry)
         assert failed[0]["entry_dropped"] is True
         assert not [line for line in logs if line["event"] == "request_failed"]
         # The broken entry is gone: what the prompt now hits is the state the cold run kept, and it serves.

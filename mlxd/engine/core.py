@@ -107,6 +107,8 @@ class EngineCore:
                                  trimmable=is_trimmable(make_request_cache(model, config.max_kv_size)),
                                  vision=vision)
         self.step_times = StepTimes()
+        # The prefix-cache entry each request that hit started from (dropped if running from it fails).
+        self._hit_entries: dict[str, tuple[int, ...]] = {}
         self._record = record
         self._channel = channel
         self._follower = follower
@@ -224,10 +226,11 @@ class EngineCore:
         if (submitted is None or phase != "prefill" or self._channel is not None or isinstance(error, Refused)
                 or not submitted.state.num_cached_tokens):
             return False
-        state = submitted.state
-        dropped = self.reuse.drop_hit(submitted.cache_key, state.num_cached_tokens, state.cache_hit)
+        state, entry = submitted.state, self._hit_entries.pop(request_id, ())
+        dropped = self.reuse.drop_entry(entry)
         log.warning("prefix_entry_failed", request_id=request_id, num_cached_tokens=state.num_cached_tokens,
-                    cache_hit=state.cache_hit, entry_dropped=dropped, error_type=type(error).__name__,
+                    cache_hit=state.cache_hit, num_entry_tokens=len(entry), entry_dropped=dropped,
+                    error_type=type(error).__name__,
                     error=str(error), action="retrying from the start without the entry")
         reset_random_state()
         self.runner.prefilling.pop(request_id, None)
@@ -301,6 +304,7 @@ class EngineCore:
         state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
         if hit.cache is None:
             return
+        self._hit_entries[submitted.request.request_id] = hit.entry
         state.num_prefilled = hit.num_cached
         if state.encoding:  # the row merges the images' features: it is built once they are in
             submitted.start_cache = hit.cache
@@ -326,6 +330,7 @@ class EngineCore:
 
     def _drop(self, command: Drop) -> Submitted | None:
         """Forget a request everywhere: its row, the scheduler's queues, the request table."""
+        self._hit_entries.pop(command.request_id, None)
         self.runner.forget(command.request_id)
         self.scheduler.remove(command.request_id)
         return self.table.pop(command.request_id)

@@ -14,7 +14,7 @@
   the system prompt and tools end, the client's cache breakpoints and a ``prompt_cache_key``'s shared prefix: a
   chunk ends at each one when the cache cannot be trimmed, and its snapshot is kept, so a hybrid model's next
   conversation with the same system prompt and tools reuses that whole block.
-- A request whose run from a hit fails is retried from the start by the engine; :meth:`PromptReuse.drop_hit`
+- A request whose run from a hit fails is retried from the start by the engine; :meth:`PromptReuse.drop_entry`
   drops the entry it started from.
 """
 
@@ -79,15 +79,10 @@ class PromptReuse:
             return
         self.cache.discard(key[:start])
 
-    def drop_hit(self, prompt: Sequence[int], num_cached: int, kind: str) -> bool:
-        """Drop the entry a request's prompt started from (``num_cached`` tokens of ``prompt``, a hit of ``kind``):
-        its state failed on use. A ``prefix`` hit's entry holds exactly those tokens, an ``exact`` hit's the whole
-        prompt; a ``longer`` or ``diverged`` hit's entry holds tokens the prompt lacks, unknown here (kept).
-        Returns whether an entry was dropped."""
-        if self.cache is None:
-            return False
-        candidates = {"prefix": [prompt[:num_cached]], "exact": [prompt, prompt[:num_cached]]}.get(kind, [])
-        return any(self.cache.discard(tokens) for tokens in candidates)
+    def drop_entry(self, entry: Sequence[int]) -> bool:
+        """Drop the entry a request's prompt started from (``Hit.entry``: its tokens), from memory and disk: its
+        state failed on use. Returns whether an entry was dropped."""
+        return self.cache is not None and bool(entry) and self.cache.discard(entry)
 
     @staticmethod
     def chunk_end(start: int, num_tokens: int, checkpoints: Sequence[int], trimmable: bool) -> int:
