@@ -62,15 +62,17 @@ def quantize_layers(layers: list[Any], kv: KVQuantization) -> list[Any]:
     return out
 
 
-def check_quantized_attention(model: Any, layers: list[Any], kv: KVQuantization) -> None:
+def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], kv: KVQuantization) -> None:
     """Refuse, at start-up, a model that cannot attend over quantized keys and values: a vision-language model,
-    head sizes that are not a multiple of ``group_size``, attention sinks. ``layers`` is a fresh request cache from
-    :func:`quantize_layers`; one position's graph is built (shapes only: nothing is evaluated)."""
+    layers with no quantized form (:func:`quantize_layers`), head sizes that are not a multiple of ``group_size``,
+    attention sinks. ``make_cache`` gives a fresh request cache; one position's graph is built through it (shapes
+    only: nothing is evaluated)."""
     where = f"[engine] kv_bits = {kv.bits}, kv_group_size = {kv.group_size}"
     if hasattr(model, "encode"):
         raise ConfigError(f"{where}: vision-language models are refused: image rows' prompt passes (mlx-vlm's "
                           "language models and mlxd's vision prefill) are not verified on quantized caches; unset "
                           "kv_bits for this model")
+    layers = make_cache()
     try:
         model(mx.zeros((1, 1), dtype=mx.uint32), cache=layers)
     except ValueError as e:

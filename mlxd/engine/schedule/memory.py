@@ -106,7 +106,7 @@ def measure_memory(model: Any, *, limit_bytes: int = 0, max_kv_size: int = 0,
     when the model cannot run on quantized caches (:func:`~mlxd.cache.quantized.check_quantized_attention`).
     """
     if kv is not None:
-        check_quantized_attention(model, make_request_cache(model, max_kv_size, kv), kv)
+        check_quantized_attention(model, lambda: make_request_cache(model, max_kv_size, kv), kv)
     limit = limit_bytes or default_limit_bytes()
     budget = MemoryBudget(limit, weights_bytes(model), measure_kv_cost(model, max_kv_size, kv),
                           measure_pass_bytes(model, max_kv_size, kv=kv))
