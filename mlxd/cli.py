@@ -111,11 +111,18 @@ def check_config(argv: list[str]) -> int:
 
     flags = serve_flags(args)
     print(f"{args.config}: OK")
-    if config.models:
+    raw = read_toml(args.config)
+    settings = effective_settings(apply_flags(config, flags), raw, flags,
+                                  model_sampling=model_sampling(model.source, folder))
+    if config.models:  # the shared tables once, then each model's own settings
+        from mlxd.config.models import model_settings, served_models, shared_setting
+
         for (name, source), table in zip(folders.items(), config.models, strict=True):
             print(f"[models.{table}] {name}: source {source}")
-    for setting in effective_settings(apply_flags(config, flags), read_toml(args.config), flags,
-                                      model_sampling=model_sampling(model.source, folder)):
+        samplings = {served.name: model_sampling(served.config.model.source, folders[served.name])
+                     for served in served_models(config)}
+        settings = [s for s in settings if shared_setting(s)] + model_settings(config, raw, samplings)
+    for setting in settings:
         print(setting.describe())
     print(f"api keys: {len(keys.api)} (admin: {len(keys.admin) or 'any valid key'})" if keys.enabled
           else "api keys: none (every endpoint is open)")

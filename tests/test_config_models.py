@@ -121,3 +121,23 @@ def test_check_config_checks_every_model_s_source_and_names_each_bad_one(tmp_pat
     out = capsys.readouterr().out
     for line in ("[models.a] a: source", "[models.b] b: source", "[models.c] cc: source", "[models.d] d: source"):
         assert f"{line} {tiny_model_dir}" in out, out
+
+
+def test_check_config_shows_each_model_s_own_settings_and_where_they_came_from(tmp_path, tiny_model_dir, capsys):
+    from mlxd.cli import main
+
+    path = write(tmp_path, f'[engine]\nmax_waiting = 9\n[models.a]\nsource = "{tiny_model_dir}"\n'
+                           '[models.a.sampling]\ntemperature = 0.2\n'
+                           f'[models.b]\nsource = "{tiny_model_dir}"\nname = "fast"\nidle_unload_s = 5\n'
+                           '[models.b.engine]\nmax_running = 2\n')
+    assert main(["check-config", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for line in ('[models.a.sampling] temperature = 0.2  (file)', '[models.a] load = "at_start"  (default)',
+                 '[models.b] name = "fast"  (file)', '[models.b] idle_unload_s = 5.0  (file)',
+                 '[models.b] load = "on_request"  (default)', '[models.b.engine] max_running = 2  (file)',
+                 '[models.b.engine] max_waiting = 64  (default)',  # its own table replaces [engine] whole
+                 '[engine] max_waiting = 9  (file)', f'[models.a] source = "{tiny_model_dir}"  (file)'):
+        assert line in lines, line
+    # Not the first model dressed as [model] (with wrong origins), nor the raw tables in one clipped line; a's
+    # engine is the shared [engine], shown once.
+    assert not [line for line in lines if line.startswith(("[model] ", "[model.", "models = ", "[models.a.engine]"))]

@@ -4,7 +4,8 @@ several. Everything that needs to know which models there are reads :func:`serve
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import msgspec
 
@@ -90,3 +91,45 @@ def check_distributed(config: DaemonConfig, source: str) -> None:
         raise ConfigError(f"{source}: {served.table}.kind: an embedding model (kind = \"embedding\") is not served by "
                           "a [distributed] job, whose ranks run a generating model's steps together; serve it from a "
                           "daemon without [distributed]")
+
+
+def model_settings(config: DaemonConfig, raw: Mapping[str, Any],
+                   samplings: Mapping[str, Mapping[str, Any]]) -> list[Any]:
+    """What ``check-config`` shows of each model of a ``[models.NAME]`` config, each setting with where it came from
+    (:class:`mlxd.config.effective.Setting`): its ``[models.NAME]`` fields and loading policy, its sampling defaults
+    resolved against the model's own (``samplings``, by served name), its pipeline, and its own engine table when
+    it has one (the others share the top-level ``[engine]``, shown once)."""
+    from mlxd.config.effective import Setting, effective_settings
+
+    settings: list[Setting] = []
+    tables = raw.get("models", {})
+    for key, served in zip(config.models, served_models(config), strict=True):
+        own = tables.get(key, {})
+        seen = {"model": own, "engine": own.get("engine", {}), **({"pipeline": own["pipeline"]} if "pipeline" in own
+                                                                   else {})}
+        for setting in effective_settings(served.config, seen, model_sampling=samplings.get(served.name)):
+            table = _model_table(setting, key, own_engine="engine" in own)
+            if table is not None:
+                settings.append(setting._replace(table=table))
+        for field in ("load", "idle_unload_s", "pin"):
+            settings.append(Setting(f"models.{key}", field, getattr(served, field), "file" if field in own
+                                    else "default"))
+    return settings
+
+
+def _model_table(setting: Any, key: str, *, own_engine: bool) -> str | None:
+    """Where a setting of one model's config view lives in a ``[models.NAME]`` config; None: a shared table."""
+    table = setting.table
+    if table == "model" or table.startswith("model."):
+        return f"models.{key}{table[len('model'):]}"
+    if own_engine and (table == "engine" or table.startswith("engine.")):
+        return f"models.{key}.{table}"
+    return f"models.{key}" if table == "" and setting.name == "pipeline" else None
+
+
+def shared_setting(setting: Any) -> bool:
+    """Whether a setting of a ``[models.NAME]`` config's own walk is shared by its models (``[server]``,
+    ``[engine]`` ...), not one that :func:`model_settings` shows per model."""
+    table = setting.table
+    return not (table == "model" or table.startswith("model.") or (table == "" and setting.name in ("models",
+                                                                                                   "pipeline")))
