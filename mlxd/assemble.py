@@ -17,9 +17,17 @@ def load_everything(path: Path) -> tuple[DaemonConfig, Pipeline]:
     # Imported here: `mlxd --help` and `mlxd service` stay light, and MLX is not imported before the device is chosen.
     from mlxd.config import load_config
     from mlxd.config.models import served_models
+    from mlxd.errors import ConfigError
 
     config = load_config(path)
-    pipelines = [model_pipeline(served.config, path) for served in served_models(config)]  # each model's, checked
+    pipelines, errors = [], []
+    for served in served_models(config):  # each model's pipeline, checked; an error names the model's table
+        try:
+            pipelines.append(model_pipeline(served.config, path))
+        except ConfigError as e:
+            errors.append(f"[{served.table}] pipeline: {e.message}" if config.models else e.message)
+    if errors:
+        raise ConfigError("\n".join(errors))
     return config, pipelines[0]
 
 
