@@ -42,7 +42,7 @@ from load import free_port, wait_ready, with_openblas  # noqa: E402  (benchmarks
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- disk_cache.py: start -->", "<!-- disk_cache.py: end -->"
 SOURCE = "embedded:smollm2-135m"
-CHARS_PER_TOKEN = 2.3  # this repository's Python through SmolLM2's tokenizer (measured: 2,048 characters, 880 tokens)
+CHARS_PER_TOKEN = 3.3  # this repository's Python through SmolLM2's tokenizer (measured: 9,420 characters, 2,853 tokens)
 TOOLS = json.dumps([{"name": name, "description": text, "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"}}, "required": ["path"]}}
     for name, text in (("read_file", "Read a file of the repository and return its text."),
@@ -173,15 +173,18 @@ def run_daemon(name: str, folder: Path, cache_dir: Path | None, messages: list[d
     return Daemon(name, turn, ready_s, stop_s, status)
 
 
-def persisted(log: Path) -> dict:
+def log_line(log: Path, event: str) -> dict:
+    """The first line of ``event`` in a daemon's JSON log ({} if none)."""
     for line in log.read_text().splitlines():
-        if '"prefix_disk_persisted"' in line:
+        if f'"event": "{event}"' in line:
             return json.loads(line)
     return {}
 
 
-def report(args: argparse.Namespace, a: Daemon, b: Daemon, c: Daemon, files: list[int], log_a: Path) -> str:
-    saved = persisted(log_a)
+def report(args: argparse.Namespace, a: Daemon, b: Daemon, c: Daemon, files: list[int], folder: Path) -> str:
+    saved = log_line(folder / "A.log", "prefix_disk_persisted")
+    opened, hit = log_line(folder / "B.log", "prefix_disk_opened"), log_line(folder / "B.log", "prefix_disk_hit")
+    computed = {d.name: log_line(folder / f"{d.name}.log", "request") for d in (a, b, c)}
     disk = b.status.get("prefix_disk", {})
     rows = [("A, turn 1, cold (then stopped)", a), ("B, turn 2 after the restart, from disk", b),
             ("C, turn 2, cold (no disk tier)", c)]
@@ -209,9 +212,12 @@ def report(args: argparse.Namespace, a: Daemon, b: Daemon, c: Daemon, files: lis
         f"({c.turn.ttft_s / b.turn.ttft_s:.1f}x); B and C answered {same}. A's stop (SIGTERM: drain, then the "
         f"entries in memory written) took {a.stop_s:.2f} s and left {len(files)} file(s), {sum(files):,} bytes "
         f"(`prefix_disk_persisted`: {json.dumps({k: saved.get(k) for k in ('num_in_memory', 'num_queued', 'complete')})}"
-        f"). B read {disk.get('num_bytes_read', 0):,} bytes in {disk.get('num_hits', 0)} disk hit(s), "
-        f"{disk.get('num_errors', 0)} error(s); B was ready {b.ready_s:.1f} s after it started (C: {c.ready_s:.1f} s), "
-        "its index rebuilt from the folder.",
+        f"). B indexed the folder at start-up in {opened.get('open_s', float('nan')):.3f} s and read "
+        f"{disk.get('num_bytes_read', 0):,} bytes in {disk.get('num_hits', 0)} disk hit(s) "
+        f"({hit.get('read_s', float('nan')):.2f} s: read, checksum, load; {disk.get('num_errors', 0)} error(s)), "
+        f"then computed {computed['B'].get('prompt_tokens_computed', '?')} prompt tokens (prefill "
+        f"{computed['B'].get('prefill_s', float('nan')):.2f} s; C's {computed['C'].get('prefill_s', float('nan')):.2f} "
+        f"s). Start to ready (load and warm-up): A {a.ready_s:.0f} s, B {b.ready_s:.0f} s, C {c.ready_s:.0f} s.",
         "",
         END,
     ]
@@ -240,7 +246,7 @@ def main(argv: list[str]) -> None:
                     {"role": "user", "content": "Good. Now make that change and run the prefix-cache tests."}]
         b = run_daemon("B", folder, cache_dir, messages, args.max_tokens)
         c = run_daemon("C", folder, None, messages, args.max_tokens)
-        section = report(args, a, b, c, files, folder / "A.log")
+        section = report(args, a, b, c, files, folder)
         print(section)
         if args.out:
             write(args.out, section)

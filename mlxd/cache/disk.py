@@ -32,6 +32,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -148,8 +149,8 @@ def _mlx_lm_classes(snapshot: Snapshot) -> bool:
 class DiskTier:
     """Snapshots in files under ``root/<identity key>``, within ``budget_bytes``; see the module's docstring.
 
-    ``open`` rebuilds the index from the folder and starts the writer; ``close`` stops it. ``lookup`` and
-    ``load`` (engine thread), ``submit`` (any thread) and ``stats`` are thread-safe."""
+    ``open`` rebuilds the index from the folder and starts the writer; ``close`` stops it. ``lookup`` (the engine
+    thread), ``submit`` (any thread), ``discard``, ``clear`` and ``stats`` are thread-safe."""
 
     def __init__(self, root: str | Path, budget_bytes: int, identity: dict[str, Any]) -> None:
         self.identity = {"format": FORMAT, **identity}
@@ -164,12 +165,14 @@ class DiskTier:
         self._queue: queue.SimpleQueue[tuple[tuple[int, ...], Snapshot] | None] = queue.SimpleQueue()
         self._pending: dict[tuple[int, ...], int] = {}  # tokens waiting for the writer -> bytes
         self._counts: Counter[str] = Counter()
+        self._read_s = 0.0  # reading, checking and loading files for hits, in all
         self._thread: threading.Thread | None = None
 
     # ---- start and stop ----
 
     def open(self) -> None:
         """Create the folder, index the files in it (oldest first; bad ones deleted) and start the writer."""
+        started = time.perf_counter()
         self.folder.mkdir(parents=True, exist_ok=True)
         paths = sorted(self.folder.iterdir(), key=lambda p: p.stat().st_mtime)
         for path in paths:
@@ -180,7 +183,8 @@ class DiskTier:
         with self._lock:
             self._fit(0)
         log.info("prefix_disk_opened", folder=str(self.folder), num_entries=len(self._files),
-                 num_bytes=self.num_bytes, budget_bytes=self.budget_bytes)
+                 num_bytes=self.num_bytes, budget_bytes=self.budget_bytes,
+                 open_s=round(time.perf_counter() - started, 3))
         self._thread = threading.Thread(target=self._write_loop, name="mlxd-prefix-disk", daemon=True)
         self._thread.start()
 
@@ -213,12 +217,14 @@ class DiskTier:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout=timeout_s)
 
-    def close(self) -> None:
-        """Stop the writer once it has written what is queued."""
-        if self._thread is not None:
+    def close(self, wait: bool = True) -> None:
+        """Take no more writes; the writer stops once it has written what is queued (waited for with ``wait``)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+            if wait:
+                thread.join()
 
     # ---- reads (engine thread) ----
 
@@ -234,7 +240,9 @@ class DiskTier:
             self._count("num_misses")
             return None
         entry_tokens, name, num_bytes = entry
+        started = time.perf_counter()
         snapshot = self._read(self.folder / name, entry_tokens)
+        read_s = time.perf_counter() - started
         with self._lock:
             if snapshot is None:
                 self._forget(match.entry_id)
@@ -244,6 +252,9 @@ class DiskTier:
                 self._index.touch(match.entry_id)
             self._counts["num_hits"] += 1
             self._counts["num_bytes_read"] += num_bytes
+            self._read_s += read_s
+        log.info("prefix_disk_hit", num_tokens=match.num_tokens, kind=match.kind, num_bytes=num_bytes,
+                 read_s=round(read_s, 3))
         with contextlib.suppress(OSError):  # deleted meanwhile: the snapshot is read already
             os.utime(self.folder / name)  # the LRU order a restart rebuilds
         return match, entry_tokens, snapshot
@@ -378,6 +389,7 @@ class DiskTier:
             return {
                 "folder": str(self.folder), "num_entries": len(self._files), "num_bytes": self.num_bytes,
                 "budget_bytes": self.budget_bytes, "num_pending_writes": len(self._pending),
+                "read_s": round(self._read_s, 3),
                 **{k: self._counts[k] for k in ("num_hits", "num_misses", "num_bytes_read", "num_writes",
                                                 "num_bytes_written", "num_errors", "num_evictions",
                                                 "num_writes_dropped", "num_not_written")},

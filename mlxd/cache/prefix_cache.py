@@ -227,8 +227,8 @@ class PrefixCache:
 
     def persist(self, timeout_s: float) -> dict[str, int] | None:
         """Write every entry still in memory to the disk tier (least recently used first, so that the bound keeps
-        the newest), wait at most ``timeout_s`` for the writes, and stop the writer. For a clean stop; None without
-        a disk tier."""
+        the newest), wait at most ``timeout_s`` for the writes, and stop the writer (after those still queued). For
+        a clean stop; None without a disk tier."""
         disk = self._disk
         if disk is None:
             return None
@@ -236,8 +236,7 @@ class PrefixCache:
             entries = [(self._index.tokens(e), self._store.get(e)) for e in self._index.victims() if e in self._store]
         num_queued = sum(disk.submit(tokens, snapshot) for tokens, snapshot in entries)
         written = disk.flush(timeout_s)
-        if written:
-            disk.close()
+        disk.close(wait=written)  # a write still running when the process exits leaves only a temporary file
         stats = disk.stats()
         log.info("prefix_disk_persisted", num_in_memory=len(entries), num_queued=num_queued, complete=written,
                  num_files=stats["num_entries"], num_file_bytes=stats["num_bytes"], num_writes=stats["num_writes"])
