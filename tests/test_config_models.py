@@ -86,6 +86,10 @@ def test_load_policy_can_be_set(tmp_path):
     ('[models.e]\nsource = "e"\nkind = "embedding"\n[distributed]\n', "models.e.kind: an embedding model"),
     ('[model]\nsource = "e"\nkind = "embedding"\n[distributed]\n', "model.kind: an embedding model"),
     ('[models.a]\nsource = "a"\n[models.b]\nsource = "b"\n[distributed]\n', "models: a [distributed] job serves one"),
+    ('[models.a]\nsource = "a"\n[models.b]\nsource = "b"\n[models.b.engine]\nvision_encoder_thread = true\n',
+     "models.b.engine.vision_encoder_thread: "),
+    ('[engine]\nvision_encoder_thread = true\n[models.a]\nsource = "a"\n[models.b]\nsource = "b"\n',
+     ": engine.vision_encoder_thread: "),
 ])
 def test_errors_name_the_file_and_the_model_field(tmp_path, text, expected):
     path = write(tmp_path, text)

@@ -73,10 +73,15 @@ def normalise(config: DaemonConfig, source: str) -> DaemonConfig:
     if not config.models:
         return config
     seen: dict[str, str] = {}
-    for served in served_models(config):
+    for (key, table), served in zip(config.models.items(), served_models(config), strict=True):
         if served.name in seen:
             raise ConfigError(f"{source}: {served.table}.name: {served.name!r} is also the name of {seen[served.name]}")
         seen[served.name] = served.table
+        if len(config.models) > 1 and served.config.engine.vision_encoder_thread:
+            where = f"models.{key}.engine" if table.engine is not None else "engine"
+            raise ConfigError(f"{source}: {where}.vision_encoder_thread: the encoder thread runs a vision tower "
+                              "outside the device's turn, which several models take one at a time; set it to false "
+                              "or serve the model alone")
     return msgspec.structs.replace(config, model=served_models(config)[0].config.model)
 
 
