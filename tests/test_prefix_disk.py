@@ -92,15 +92,41 @@ def started(model, folder: Path, **settings) -> BatchedEngine:
     return engine
 
 
-def serve_and_stop(model, folder: Path, prompt: list[int]) -> tuple[list[int], Finished, Path]:
+def serve_and_stop(model, folder: Path, prompt: list[int], **settings) -> tuple[list[int], Finished, Path]:
     """One engine's answer to ``prompt``, and the folder of its files once it stopped (they are written then)."""
-    engine = started(model, folder)
+    engine = started(model, folder, **settings)
     try:
         tokens, finished = run(engine, prompt)
         own = Path(engine.cache_stats()["disk"]["folder"])
     finally:
         engine.stop()
     return tokens, finished, own
+
+
+@pytest.mark.parametrize(("arch", "settings"), [
+    ("llama", {"kv_bits": 8, "kv_group_size": 32}),  # mlxd's own quantized layer, written as mlx-lm's
+    ("llama", {"kv_bits": 4, "kv_group_size": 32}),
+    ("qwen3_next", {}),  # recurrent layers (ArraysCache) between attention layers: snapshots at chunk ends
+])
+def test_every_cache_kind_comes_back_from_disk_with_the_tokens_of_a_cold_run(tiny_models_root, tmp_path, arch,
+                                                                             settings):
+    heads = {"head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model, tokenizer = load(str(tiny_model_cached(tiny_models_root, arch, **heads)))
+    prompt = tokenizer.encode(LONG_TEXT)
+    engine = started(model, tmp_path, **settings)
+    try:
+        cold, first = run(engine, prompt)
+        warm, in_memory = run(engine, prompt)  # what the memory tier gives the same prompt again
+    finally:
+        engine.stop()
+    assert first.num_cached_tokens == 0 and in_memory.num_cached_tokens > 0 and warm == cold
+    tokens, finished, _ = serve_and_stop(model, tmp_path, prompt, **settings)
+    print(f"{arch} {settings}: {finished.num_cached_tokens} of {len(prompt)} from disk, "
+          f"{in_memory.num_cached_tokens} from memory before the restart")
+    assert (finished.num_cached_tokens, finished.cache_hit) == (in_memory.num_cached_tokens, in_memory.cache_hit)
+    assert tokens == cold
+    if arch == "llama":  # a hybrid model resumes at the last chunk boundary kept (no checkpoints without a template)
+        assert finished.num_cached_tokens == len(prompt) - 1
 
 
 def truncate(path: Path) -> None:

@@ -3,8 +3,8 @@ restarted daemon) reads them back.
 
 - **Format.** One safetensors file per entry, written by mlx-lm's ``save_prompt_cache`` (read back by
   ``load_prompt_cache``), with metadata: the format, the model identity's digest, the entry's tokens (int64,
-  base64) and whether it can be trimmed. Only mlx-lm's own cache classes are written (``load_prompt_cache`` finds
-  classes by name in ``mlx_lm.models.cache``); a snapshot holding another class stays in memory only.
+  base64), whether it can be trimmed and the layers' classes (:mod:`mlxd.cache.diskfile`: mlx-lm's classes and
+  mlxd's own subclasses of them; a snapshot holding another class stays in memory only).
 - **Identity.** Files live in ``<prefix_cache_dir>/<identity digest>/``; the identity is the weights digest (every
   parameter's name, shape and dtype, and 64 values sampled across it: a re-quantized, re-cast or fine-tuned model
   differs, a re-downloaded copy of the same weights does not), ``kv_bits``, ``kv_group_size`` and ``max_kv_size``
@@ -24,10 +24,7 @@ restarted daemon) reads them back.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
-import json
 import os
 import queue
 import sys
@@ -35,115 +32,36 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models import cache as mlx_lm_cache
-
+from mlxd.cache.diskfile import (
+    FORMAT,
+    CorruptFile,
+    decode_tokens,
+    encode_tokens,
+    file_digest,
+    identity_key,
+    load_snapshot,
+    read_metadata,
+    save_snapshot,
+    weights_digest,
+    writable,
+)
 from mlxd.cache.index import Match, PrefixIndex
-from mlxd.cache.store import Snapshot, restore, take_snapshot
+from mlxd.cache.store import Snapshot
 from mlxd.errors import ConfigError
 from mlxd.log import get_logger
 
 log = get_logger("mlxd.cache")
 
-FORMAT = "mlxd-prefix-1"
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
 MAX_PENDING_BYTES = 1024**3  # snapshots waiting for the writer; beyond this an evicted one is not written
-MAX_HEADER_BYTES = 256 * 1024**2  # a safetensors header larger than this is not one of ours
-SAMPLES_PER_PARAMETER = 64
 HEADER_RESERVE_BYTES = 64 * 1024  # a file's header beyond its tokens (class names, offsets), made room for in advance
 # A clean stop waits this long for the entries still in memory to be written (within the service manager's stop
 # margin beyond the drain, mlxd.service.STOP_MARGIN_S); what is left is not written (no partial file stays).
 PERSIST_TIMEOUT_S = 8.0
-
-
-class CorruptFile(ValueError):
-    """A file of the tier that cannot be used: torn, truncated, altered or another model's."""
-
-
-# ---- the model's identity ----
-
-def weights_digest(model: Any) -> str:
-    """A digest of the model's parameters: names, shapes, dtypes and ``SAMPLES_PER_PARAMETER`` values spread
-    over each (cheap: no pass over all the weights). Call on the thread that runs the model."""
-    from mlx.utils import tree_flatten
-
-    params = tree_flatten(model.parameters())
-    samples = []
-    for _, value in params:
-        flat = value.reshape(-1)
-        step = max(1, flat.size // SAMPLES_PER_PARAMETER)
-        samples.append(mx.contiguous(flat[::step][:SAMPLES_PER_PARAMETER]))
-    mx.eval(samples)
-    digest = hashlib.sha256()
-    for (name, value), sample in zip(params, samples, strict=True):
-        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
-        digest.update(bytes(memoryview(sample)))
-    return digest.hexdigest()
-
-
-def identity_key(identity: dict[str, Any]) -> str:
-    """The folder name and metadata value that stand for an identity."""
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-
-
-# ---- files ----
-
-def _encode_tokens(tokens: Sequence[int]) -> str:
-    return base64.b64encode(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)).decode("ascii")
-
-
-def _decode_tokens(text: str) -> tuple[int, ...]:
-    raw = base64.b64decode(text.encode("ascii"), validate=True)
-    if len(raw) % 8:
-        raise CorruptFile("token list is not whole int64 values")
-    return tuple(int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8))
-
-
-def file_digest(path: Path) -> str:
-    """BLAKE2b of the file's bytes (the name a file of the tier has)."""
-    digest = hashlib.blake2b(digest_size=20)
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 1024**2):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_metadata(path: Path) -> dict[str, str]:
-    """The ``save_prompt_cache`` metadata of a file (keys without their ``0.`` prefix), after checking that the
-    header parses and that the file is exactly as long as the header says. Raises ``CorruptFile``."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptFile(f"{size} bytes: shorter than a safetensors header")
-        num_header = int.from_bytes(head, "little")
-        if num_header > min(MAX_HEADER_BYTES, size - 8):
-            raise CorruptFile(f"header of {num_header} bytes in a file of {size}")
-        try:
-            header = json.loads(f.read(num_header))
-            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-            metadata = header.get("__metadata__") or {}
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            raise CorruptFile(f"unreadable header: {e}") from e
-    if 8 + num_header + max(ends, default=0) != size:
-        raise CorruptFile(f"{size} bytes where the header describes {8 + num_header + max(ends, default=0)}")
-    return {k.removeprefix("0."): v for k, v in metadata.items() if k.startswith("0.")}
-
-
-def _mlx_lm_classes(snapshot: Snapshot) -> bool:
-    """Whether every layer of ``snapshot`` (and every layer inside a ``CacheList``, named in its state) is a class
-    that ``load_prompt_cache`` finds by its name."""
-    for cls, state, _ in snapshot.layers:
-        if getattr(mlx_lm_cache, cls.__name__, None) is not cls:
-            return False
-        if cls is mlx_lm_cache.CacheList and not all(hasattr(mlx_lm_cache, name) for _, name in state):
-            return False
-    return True
 
 
 class DiskTier:
@@ -208,7 +126,7 @@ class DiskTier:
             raise CorruptFile(f"another model's file (identity {metadata.get('identity')!r}, this model's "
                               f"{self.key!r})")
         try:
-            return _decode_tokens(metadata["tokens"])
+            return decode_tokens(metadata["tokens"])
         except (KeyError, ValueError) as e:
             raise CorruptFile(f"unreadable tokens: {e}") from e
 
@@ -263,10 +181,10 @@ class DiskTier:
         try:
             if file_digest(path) != path.stem:
                 raise CorruptFile("its bytes do not match its checksum (torn, truncated or altered)")
-            layers, metadata = mlx_lm_cache.load_prompt_cache(str(path), return_metadata=True)
+            snapshot, metadata = load_snapshot(path)
             if self._check_metadata(metadata) != tokens:
                 raise CorruptFile("its tokens are not the ones it was indexed under")
-            return take_snapshot(layers)
+            return snapshot
         except (CorruptFile, OSError) as e:
             self._reject(path, str(e), "read")
         except Exception as e:  # noqa: BLE001 - whatever mlx or mlx-lm make of a bad file: a miss, logged
@@ -287,7 +205,7 @@ class DiskTier:
             if (self._thread is None or tokens in self._pending or self._index.find(tokens) is not None
                     or self._index.covering(tokens) is not None):
                 return False
-            if snapshot.num_bytes > self.budget_bytes or not _mlx_lm_classes(snapshot):
+            if snapshot.num_bytes > self.budget_bytes or not writable(snapshot):
                 self._counts["num_not_written"] += 1
                 return False
             if sum(self._pending.values()) + snapshot.num_bytes > MAX_PENDING_BYTES:
@@ -312,13 +230,13 @@ class DiskTier:
                     self._idle.notify_all()
 
     def _write(self, tokens: tuple[int, ...], snapshot: Snapshot) -> None:
-        metadata = {"format": FORMAT, "identity": self.key, "tokens": _encode_tokens(tokens),
+        metadata = {"format": FORMAT, "identity": self.key, "tokens": encode_tokens(tokens),
                     "trimmable": "1" if snapshot.trimmable else "0"}
         temp = self.folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}{SUFFIX}"
         with self._lock:  # room first: the folder stays within its bound while the file is written, too
             self._fit(snapshot.num_bytes + len(metadata["tokens"]) + HEADER_RESERVE_BYTES)
         try:
-            mlx_lm_cache.save_prompt_cache(str(temp), restore(snapshot), metadata)
+            save_snapshot(temp, snapshot, metadata)
             final = self.folder / f"{file_digest(temp)}{SUFFIX}"
             os.replace(temp, final)
         finally:
