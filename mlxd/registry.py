@@ -21,6 +21,9 @@ from mlxd.model_slot import ModelSlot, SlotHooks
 
 log = get_logger("mlxd.registry")
 
+# How long making room waits for a loaded model's engine to evict prefix-cache entries (between two of its steps).
+SHRINK_WAIT_S = 30.0
+
 
 @dataclass
 class Room:
@@ -87,8 +90,8 @@ class ModelRegistry:
 
         What can be known before a response starts is raised here: ``ModelNotFound`` (404), and ``NotReady`` (503
         with ``Retry-After``) when the model does not fit the memory budget even after least recently used idle,
-        unpinned models are unloaded to make room, so that a streaming request may wait for the load with keep-alive
-        frames once this returns."""
+        unpinned models are unloaded and the others' prefix caches shrunk to make room, so that a streaming request
+        may wait for the load with keep-alive frames once this returns."""
         if self.gate is not None:
             self.gate()
         slot = self.resolve(requested)
@@ -144,6 +147,10 @@ class ModelRegistry:
                 break
             if victim.state == "ready" and not victim.busy():  # still, after the previous unload's wait
                 await self.unload(victim, reason="room", for_model=slot.name)
+            room = self.room_for(slot)
+        if not room.fits:  # the models that stay (busy, pinned) give back prefix-cache entries, least recent first
+            others = sorted((s for s in self.slots if s is not slot), key=lambda s: s.last_used)
+            await self._shrink_caches(others, room.held + room.need - room.budget, for_model=slot.name)
             room = self.room_for(slot)
         if not room.fits:
             busy = [s.name for s in self.slots if s is not slot and s.holds_memory]
@@ -213,7 +220,8 @@ class ModelRegistry:
     async def keep_within_budget(self) -> None:
         """Loaded models' KV and prefix caches grow after their load: while all of them hold more than the budget,
         unload the least recently used idle, unpinned models, never the most recently used one (whose requests
-        made the caches grow)."""
+        made the caches grow); then, still over, evict prefix-cache entries, the least recently used model's
+        first."""
         if not self.budget or self.held_bytes() <= self.budget:
             return
         async with self._room_lock():
@@ -227,6 +235,28 @@ class ModelRegistry:
                     break
                 if victim.state == "ready" and not victim.busy():
                     await self.unload(victim, reason="budget", held_bytes=held, budget_bytes=self.budget)
+            # Still over (the rest busy or pinned): prefix-cache entries go, the least recently used model's first.
+            await self._shrink_caches(sorted(loaded, key=lambda s: s.last_used), self.held_bytes() - self.budget)
+
+    async def _shrink_caches(self, slots: list[ModelSlot], excess: int, **fields: Any) -> None:
+        """Evict prefix-cache entries of the ready ``slots``, in order, until ``excess`` bytes are given back (or
+        none are left); each engine evicts on its own thread, between steps."""
+        for slot in slots:
+            engine, held = slot.engine, slot.memory()["prefix_cache"]
+            if excess <= 0:
+                return
+            if slot.state != "ready" or engine is None or held <= 0:
+                continue
+            shrink = asyncio.ensure_future(engine.shrink_prefix_cache(held - excess))
+            try:
+                await asyncio.wait_for(asyncio.shield(shrink), SHRINK_WAIT_S)
+            except TimeoutError:
+                log.warning("prefix_cache_shrink_timeout", model=slot.name, wait_s=SHRINK_WAIT_S)
+                continue
+            freed = held - slot.memory()["prefix_cache"]
+            excess -= freed
+            log.info("prefix_cache_shrunk", model=slot.name, freed_bytes=freed, prefix_cache_bytes=held - freed,
+                     **fields)
 
     def describe(self) -> list[dict[str, Any]]:
         """Each model's state, memory and requests (``/v1/status``, ``/v1/models``, ``/metrics``)."""

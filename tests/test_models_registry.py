@@ -277,3 +277,39 @@ def test_caches_that_grow_past_the_budget_unload_the_least_recently_used_idle_mo
         status, body = complete(client, "b")  # and b comes back, a (now idle) making room
         assert status == 200 and body["choices"][0]["text"] == solo["b"]
         assert states(client) == {"a": "unloaded", "b": "ready"}
+
+
+def test_a_pinned_model_s_prefix_cache_makes_room_for_another(tmp_path, tiny_model_dir, second_model_dir, solo):
+    """The weights of both fit, not beside a's prefix cache; a is pinned: its prefix cache gives the room back
+    instead of b getting 503."""
+    from structlog.testing import capture_logs
+
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
+                        server_extra=f"models_memory_bytes = {budget}")
+    with app_client(config) as (client, daemon), capture_logs() as logs:
+        assert complete(client, "a")[0] == 200
+        a = daemon.models.resolve("a")
+        assert a.engine.reuse.num_bytes > 4096 + weight_files(tiny_model_dir) - a.weight_bytes
+        status, body = complete(client, "b")
+        assert status == 200 and body["choices"][0]["text"] == solo["b"]
+        assert states(client) == {"a": "ready", "b": "ready"}
+        [shrunk] = [e for e in logs if e["event"] == "prefix_cache_shrunk"]
+        assert shrunk["model"] == "a" and shrunk["for_model"] == "b" and shrunk["freed_bytes"] > 0
+        status, body = complete(client, "a")  # a still answers as itself (its prompt computed again)
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+
+
+def test_pinned_models_whose_caches_grow_past_the_budget_give_back_prefix_cache(tmp_path, tiny_model_dir,
+                                                                               second_model_dir, solo):
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+    config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
+                        b_extra='load = "at_start"\npin = true', server_extra=f"models_memory_bytes = {budget}")
+    with app_client(config) as (client, daemon):
+        status, body = complete(client, "a")
+        assert status == 200 and body["choices"][0]["text"] == solo["a"]
+        deadline = time.monotonic() + 10
+        while daemon.models.held_bytes() > budget and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.models.held_bytes() <= budget  # the reaper evicted a's entries: both pinned, nothing unloads
+        assert states(client) == {"a": "ready", "b": "ready"}

@@ -144,6 +144,9 @@ class EmbeddingEngine:
     async def clear_prefix_cache(self) -> int:
         return 0
 
+    async def shrink_prefix_cache(self, num_bytes: int) -> None:
+        """Nothing to give back: no prefix cache."""
+
     def submit(self, request: Any) -> Any:
         """Chat and completion requests: refused (400), this model only embeds."""
         raise RequestError(f"model {self.name!r} is an embedding model: it serves POST /v1/embeddings only",

@@ -32,7 +32,17 @@ import mlx.core as mx
 from mlxd.cache.disk import PERSIST_TIMEOUT_S
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
-from mlxd.engine.commands import Accept, Cancel, Clear, Command, EndAll, ImagesEncoded, RequestSpec, Stop
+from mlxd.engine.commands import (
+    Accept,
+    Cancel,
+    Clear,
+    Command,
+    EndAll,
+    Evict,
+    ImagesEncoded,
+    RequestSpec,
+    Stop,
+)
 from mlxd.engine.core import EngineCore, Group
 from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.prefix import PromptReuse
@@ -206,6 +216,14 @@ class BatchedEngine:
         with self.core.table.lock:
             num_kv_bytes = self.scheduler.num_reserved_bytes
         return {"kv": num_kv_bytes, "prefix_cache": self.reuse.num_bytes}
+
+    async def shrink_prefix_cache(self, num_bytes: int) -> None:
+        """Evict least recently used prefix-cache entries until at most ``num_bytes`` are held (on the engine thread,
+        between steps): room for another model under a budget they share (:mod:`mlxd.registry`)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((Evict(max(0, num_bytes)), (loop, future)))
+        await future
 
     async def clear_prefix_cache(self) -> dict[str, Any]:
         """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
