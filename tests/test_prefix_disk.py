@@ -225,6 +225,9 @@ def test_prefix_cache_dir_is_checked_and_taken_from_the_config_folder(tiny_model
                           extra='[engine]\nprefix_cache_dir = "cache"\nprefix_cache_bytes = 0\n')
     with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_dir: .*prefix_cache_bytes is 0"):
         load_config(config)
+    config = write_config(tmp_path, tiny_model_dir, extra='[engine]\nprefix_cache_dir = "c"\n[distributed]\n')
+    with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_dir: \[distributed\] has no disk tier"):
+        load_config(config)
     config = write_config(tmp_path, tiny_model_dir, extra='[engine]\nprefix_cache_disk_bytes = -1\n')
     with pytest.raises(ConfigError, match=r"mlxd\.toml: engine\.prefix_cache_disk_bytes: Expected `int` >= 1"):
         load_config(config)
