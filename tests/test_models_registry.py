@@ -179,13 +179,22 @@ def test_two_models_streaming_at_once_each_equal_its_solo_run(tmp_path, tiny_mod
                 response = client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "stream": True})
                 texts[name].append(streamed_text(sse_events(response.text)))
 
+        seen: set[str] = set()  # the models /v1/status listed running requests of, while both streamed
+
+        def watch() -> None:
+            while any(thread.is_alive() for thread in threads):
+                seen.update(entry["model"] for entry in client.get("/v1/status").json()["running"])
+                time.sleep(0.01)
+
         threads = [threading.Thread(target=stream, args=(name,)) for name in ("a", "b")]
-        for thread in threads:
+        watcher = threading.Thread(target=watch)
+        for thread in [*threads, watcher]:
             thread.start()
-        for thread in threads:
+        for thread in [*threads, watcher]:
             thread.join(120)
         assert texts == {"a": [solo["a"]] * 3, "b": [solo["b"]] * 3}
         assert set(holders) == {"a", "b"}  # both engines stepped, each step under the device's turn
+        assert seen == {"a", "b"}  # /v1/status lists every model's running requests, each naming its model
 
 
 def test_a_model_that_fails_to_load_gets_503_and_the_others_keep_serving(tmp_path, tiny_model_dir, solo):

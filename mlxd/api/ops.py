@@ -37,6 +37,24 @@ class PromptViewers:
         return bool(self.admin) and matches(presented_keys(request), self.admin)
 
 
+def _engine_status(daemon: Daemon, prompts: bool) -> dict[str, Any]:
+    """The first model's engine status (limits, totals, memory; none while it is unloaded), with the running and
+    waiting requests of every loaded model, each naming its model when several are configured."""
+    several = len(daemon.models.slots) > 1
+    status: dict[str, Any] = {}
+    lists: dict[str, list[dict[str, Any]]] = {name: [] for name in REQUEST_LISTS}
+    for slot in daemon.models.slots:
+        engine = slot.engine
+        if engine is None:
+            continue
+        each = engine.status(prompts=True) if prompts else engine.status()
+        if slot is daemon.models.first:
+            status = each
+        for name in REQUEST_LISTS:
+            lists[name] += [{**entry, "model": slot.name} if several else entry for entry in each[name]]
+    return {**status, **lists}
+
+
 class OpsController(Controller):
     tags = ["Operations"]
 
@@ -53,15 +71,14 @@ class OpsController(Controller):
     @get("/v1/status")
     async def status(self, request: Request, daemon: NamedDependency[Daemon],
                      viewers: NamedDependency[PromptViewers]) -> dict[str, Any]:
-        """Running and waiting requests (phase, tokens, tok/s, TTFT), limits, engine totals and memory (of the first
-        model), and ``models``: each configured model's state, memory and requests. With keys
+        """Running and waiting requests of every loaded model (phase, tokens, tok/s, TTFT; with several models each
+        names its ``model``), limits, engine totals and memory (of the first model), and ``models``: each configured
+        model's state, memory and requests. With keys
         configured, the per-request lists (``running``, ``waiting``) need an admin key; the counts do not. Rendered
         prompts only for an admin key with ``[server] status_shows_prompts`` on."""
         daemon.require_loaded()
         prompts = viewers.may_see(request)
-        engine = daemon.engine  # None while the first model is unloaded (several models: idle, or made room)
-        status = (engine.status(prompts=True) if prompts else engine.status()) if engine is not None else {
-            "running": [], "waiting": []}
+        status = _engine_status(daemon, prompts)
         body = {"model": daemon.name, "num_running": len(status["running"]), "num_waiting": len(status["waiting"]),
                 **status, "gc": PAUSES.status(), "models": daemon.models.describe()}
         if not is_admin(request):
