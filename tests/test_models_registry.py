@@ -322,3 +322,18 @@ def test_pinned_models_whose_caches_grow_past_the_budget_give_back_prefix_cache(
             time.sleep(0.1)
         assert daemon.models.held_bytes() <= budget  # the reaper evicted a's entries: both pinned, nothing unloads
         assert states(client) == {"a": "ready", "b": "ready"}
+
+
+def test_the_prefix_cache_endpoints_cover_every_loaded_model(tmp_path, tiny_model_dir, second_model_dir):
+    with app_client(two_models(tmp_path, tiny_model_dir, second_model_dir)) as (client, daemon):
+        for name in "ab":
+            assert complete(client, name)[0] == 200
+        engines = {name: daemon.models.resolve(name).engine for name in "ab"}
+        held = {name: engine.reuse.num_bytes for name, engine in engines.items()}
+        assert min(held.values()) > 0
+        stats = client.get("/v1/cache/stats").json()
+        assert {name: s["num_bytes"] for name, s in stats["models"].items()} == held
+        cleared = client.delete("/v1/cache").json()
+        assert {name: s["num_bytes"] for name, s in cleared["models"].items()} == held  # the stats before
+        assert cleared["cleared"]["num_bytes"] == held["a"]
+        assert {name: engine.reuse.num_bytes for name, engine in engines.items()} == {"a": 0, "b": 0}

@@ -90,16 +90,24 @@ class OpsController(Controller):
 
     @get("/v1/cache/stats")
     async def cache_stats(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
-        """Prefix-cache entries, bytes against the budget, hits by kind, misses and tokens reused."""
+        """Prefix-cache entries, bytes against the budget, hits by kind, misses and tokens reused (the first model's;
+        with several models, each loaded model's under ``models``)."""
         daemon.require_loaded()
-        return daemon.engine.cache_stats() if daemon.engine is not None else {"enabled": False}
+        stats = daemon.engine.cache_stats() if daemon.engine is not None else {"enabled": False}
+        if len(daemon.models.slots) > 1:
+            stats["models"] = {slot.name: slot.engine.cache_stats() for slot in daemon.models.slots
+                               if slot.engine is not None}
+        return stats
 
     @delete("/v1/cache", status_code=200, opt={"access": ADMIN})
     async def clear_cache(self, daemon: NamedDependency[Daemon]) -> dict[str, Any]:
-        """Drop every prefix-cache entry (on the engine thread, between steps); returns the stats before."""
+        """Drop every prefix-cache entry of every loaded model (on each engine's thread, between steps); returns the
+        stats before (the first model's; with several models, each cleared model's under ``models``)."""
         daemon.require_loaded()
-        engine = daemon.engine
-        return {"cleared": await engine.clear_prefix_cache() if engine is not None else {"enabled": False}}
+        cleared = {slot.name: await slot.engine.clear_prefix_cache() for slot in daemon.models.slots
+                   if slot.engine is not None}
+        body = {"cleared": cleared.get(daemon.name, {"enabled": False})}
+        return {**body, "models": cleared} if len(daemon.models.slots) > 1 else body
 
     @get("/metrics", opt={"access": METRICS}, media_type=CONTENT_TYPE_LATEST)
     async def metrics(self, metrics: NamedDependency[Metrics]) -> Response[bytes]:
