@@ -17,7 +17,7 @@ restarted daemon) reads them back.
   altered file is a miss, deleted and logged (``prefix_disk_rejected``), never a wrong answer.
 - **Threads.** Writes run on a writer thread of their own: the engine only queues a snapshot (its arrays are
   immutable and evaluated). Reads run on the engine thread, never on the event loop. Pending writes hold at most
-  ``MAX_PENDING_BYTES``; a snapshot beyond that is not written (counted).
+  ``MAX_PENDING_BYTES`` (or one snapshot of any size); a snapshot beyond that is not written (counted).
 - **Bound.** The files of an identity hold at most ``budget_bytes``; the least recently used go first (a hit
   touches its file, so the order survives a restart).
 """
@@ -57,7 +57,9 @@ log = get_logger("mlxd.cache")
 
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
-MAX_PENDING_BYTES = 1024**3  # snapshots waiting for the writer; beyond this an evicted one is not written
+# Snapshots waiting for the writer, beyond the one it writes first; an evicted one beyond this is not written (a
+# snapshot larger than this alone is, as the only one waiting).
+MAX_PENDING_BYTES = 1024**3
 HEADER_RESERVE_BYTES = 64 * 1024  # a file's header beyond its tokens (class names, offsets), made room for in advance
 # A clean stop waits this long for the entries still in memory to be written (within the service manager's stop
 # margin beyond the drain, mlxd.service.STOP_MARGIN_S); what is left is not written (no partial file stays).
@@ -208,7 +210,7 @@ class DiskTier:
             if snapshot.num_bytes > self.budget_bytes or not writable(snapshot):
                 self._counts["num_not_written"] += 1
                 return False
-            if sum(self._pending.values()) + snapshot.num_bytes > MAX_PENDING_BYTES:
+            if self._pending and sum(self._pending.values()) + snapshot.num_bytes > MAX_PENDING_BYTES:
                 self._counts["num_writes_dropped"] += 1
                 return False
             self._pending[tokens] = snapshot.num_bytes
