@@ -257,3 +257,52 @@ def test_a_folder_that_cannot_be_used_stops_the_start_naming_the_field(llama, tm
     engine = BatchedEngine(model, EngineConfig(max_running=1, prefix_cache_dir=str(tmp_path / "a-file")))
     with pytest.raises(ConfigError, match=r"engine\.prefix_cache_dir: cannot use .*a-file"):
         engine.start()
+
+
+def _snapshot(num_tokens: int, seed: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxd.cache.store import take_snapshot
+
+    layer = KVCache()
+    key = mx.random.key(seed)
+    layer.update_and_fetch(mx.random.normal((1, 2, num_tokens, 16), key=key),
+                           mx.random.normal((1, 2, num_tokens, 16), key=key + 1))
+    return take_snapshot([layer])
+
+
+def test_a_reopened_tier_keeps_its_entries_in_their_order_and_drops_cut_writes(tmp_path):
+    import mlx.core as mx
+
+    from mlxd.cache.disk import DiskTier
+
+    identity = {"weights": "w", "kv_bits": 16}
+    tier = DiskTier(tmp_path, 10 * 1024**2, identity)
+    tier.open()
+    prompts = {name: tuple(range(start, start + 40)) for name, start in (("a", 0), ("b", 1000), ("c", 2000))}
+    written = {tokens: _snapshot(len(tokens), seed) for seed, tokens in enumerate(prompts.values())}
+    for tokens, snapshot in written.items():
+        assert tier.submit(tokens, snapshot)
+        assert tier.flush(30)
+    hit = tier.lookup(prompts["a"] + (7,), 1, 0)  # "a" is now the most recently used
+    assert hit is not None and hit[1] == prompts["a"]
+    tier.close()
+    (tier.folder / ".tmp-cut-short.safetensors").write_bytes(b"half a file")
+    size = max(p.stat().st_size for p in tier.folder.glob("*.safetensors"))
+
+    again = DiskTier(tmp_path, 2 * size, identity)  # room for two: the least recently used ("b") goes
+    again.open()
+    try:
+        assert sorted(p.name for p in again.folder.iterdir() if p.name.startswith(".")) == []
+        assert again.stats()["num_entries"] == 2 and again.stats()["num_evictions"] == 1
+        assert again.lookup(prompts["b"] + (7,), 1, 0) is None
+        for name in ("a", "c"):
+            match, tokens, snapshot = again.lookup(prompts[name] + (7,), 1, 0)
+            assert (match.num_tokens, tokens, snapshot.trimmable) == (40, prompts[name], True)
+            (_, state, _), (_, original, _) = snapshot.layers[0], written[tokens].layers[0]
+            assert state[2] == original[2]
+            assert mx.array_equal(state[0], original[0]) and mx.array_equal(state[1], original[1])
+        assert DiskTier(tmp_path, 2 * size, {**identity, "kv_bits": 8}).folder != again.folder
+    finally:
+        again.close()
