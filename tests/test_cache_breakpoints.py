@@ -17,6 +17,7 @@ from mlxd.pipeline.stages.template_points import SharedPrefixes
 from tests.helpers import app_client, write_config
 from tests.support import tool_templates
 from tests.support.tiny import CHAT_TEMPLATE
+from tests.support.tiny_hybrid import tiny_qwen3_5_mtp_cached
 
 SYSTEM = "You are a coding agent. " + "Follow the repository's rules, read files before editing them. " * 10
 PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -68,10 +69,18 @@ def openai(client, surface: str, user: str) -> tuple[list, int]:
     return body["output"], body["usage"]["input_tokens_details"]["cached_tokens"]
 
 
-def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(tiny_qwen3_next_dir, tmp_path):
-    n = block_length(tiny_qwen3_next_dir)
+@pytest.fixture(scope="module")
+def tiny_qwen3_5_dir(tiny_models_root):
+    """A tiny Qwen3.5 (gated delta-net and attention layers, a vision tower: served through mlx-vlm)."""
+    return tiny_qwen3_5_mtp_cached(tiny_models_root)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_next_dir", "tiny_qwen3_5_dir"])
+def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(model_fixture, request, tmp_path):
+    model_dir = request.getfixturevalue(model_fixture)
+    n = block_length(model_dir)
     assert n > 64
-    with app_client(write_config(tmp_path, tiny_qwen3_next_dir)) as (client, _):
+    with app_client(write_config(tmp_path, model_dir)) as (client, _):
         first = anthropic(client, "List the files in the repository, please.")
         assert first["usage"]["cache_read_input_tokens"] == 0
         second = anthropic(client, "What does the parser in this project do?")
