@@ -132,6 +132,12 @@ def test_streams_for_a_loading_model_get_keep_alives_then_its_answer(tmp_path, t
         plain = got["plain"]
         assert plain.status_code == 200 and plain.content.startswith(b"{")  # waited, no keep-alive in JSON
         assert plain.json()["model"] == "b" and plain.json()["choices"][0]["text"]
+    # The requests that waited say so in their log lines, and their times count from their arrival.
+    lines = [msgspec.json.decode(line) for line in (config.parent / "server.log").read_bytes().splitlines()
+             if line.startswith(b"{")]
+    waited = [line for line in lines if line["event"] == "request" and line.get("model_wait_s") is not None]
+    assert len(waited) == len(SURFACES) + 1 and {line["model"] for line in waited} == {"b"}, waited
+    assert all(LOAD_S * 0.75 <= line["model_wait_s"] <= line["ttft_s"] <= line["total_s"] for line in waited), waited
 
 
 @contextlib.contextmanager

@@ -103,8 +103,9 @@ class AnthropicController(Controller):
             job = jobs.messages_job(data, served.name, served.config.model.sampling)
             return loading.error_frames(render.MessageRenderer(job.request_id, served.name, 0, clamped=False))
 
-        return await loading.answer(await daemon.models.admit(data.model), data.stream,
-                                    lambda served: _message(request, data, served, metrics), before_wait)
+        return await loading.answer(daemon.models, data.model, data.stream,
+                                    lambda served, arrived: _message(request, data, served, metrics, arrived),
+                                    before_wait)
 
     @post("/messages/count_tokens", status_code=200, dto=StrictJSON[CountTokensRequest], return_dto=None)
     async def count_tokens(self, request: Request, data: JSONBody[CountTokensRequest],
@@ -122,12 +123,14 @@ class AnthropicController(Controller):
         return CountTokensResponse(input_tokens=len(job.prompt_ids))
 
 
-async def _message(request: Request, data: MessagesRequest, served: ModelSlot, metrics: Metrics) -> Message | EventStream:
+async def _message(request: Request, data: MessagesRequest, served: ModelSlot, metrics: Metrics,
+                   arrived: float | None) -> Message | EventStream:
     model = served.name
     jobs.check_vocabulary(data, served.model_info)
     check_size(data, **served.size_limits())
     job = jobs.messages_job(data, model, served.config.model.sampling)
-    events, trace = await respond.start(served, job, "messages", metrics.observe, receive=request.receive)
+    events, trace = await respond.start(served, job, "messages", metrics.observe, receive=request.receive,
+                                        arrived=arrived)
     clamped = job.max_tokens_clamped_from is not None
     if not data.stream:
         outputs = await respond.collect(events, trace, request.receive)

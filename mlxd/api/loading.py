@@ -1,14 +1,16 @@
 """A request for a model that is not loaded yet (several models: :mod:`mlxd.registry`). What can be refused before the
 load is refused first, as an HTTP error: an unknown model (404), a model that cannot fit the memory budget now (503
 with ``Retry-After``), a body the model's config refuses (400). Then a non-streaming request waits for the load,
-and a streaming one opens its stream at once and sends an SSE comment (``: keep-alive``) every ``[server]
-keepalive_s`` while the model loads, so that clients and proxies see a live connection instead of silence; then the
-response's own frames follow. A failure once the stream is open (the load failed, the loaded model refused the
-request) is the surface's error frame."""
+and a stream still waiting after ``[server] keepalive_s`` opens and gets an SSE comment (``: keep-alive``) every
+``keepalive_s`` while the model loads, so that clients and proxies see a live connection instead of silence; then
+the response's own frames follow. A failure once the stream is open (the load failed, the loaded model refused the
+request) is the surface's error frame. A request that waited counts its times (TTFT, total) from its arrival, and
+its log line says how long it waited (``model_wait_s``)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -17,32 +19,38 @@ from mlxd.api.output import SSE_KEEPALIVE, EventStream, Renderer, sse
 from mlxd.errors import MlxdError
 from mlxd.log import get_logger
 from mlxd.model_slot import ModelSlot
+from mlxd.registry import ModelRegistry
 
 log = get_logger("mlxd.request")
 
 # How a surface writes a failure into a stream that is open (its error frame, its end of stream).
 ErrorFrames = Callable[[MlxdError], list[bytes]]
+# The response to a request once its model is ready: given the slot, and when the request came if it waited.
+Respond = Callable[[ModelSlot, float | None], Awaitable[Any]]
 
 
-async def answer(admitted: tuple[ModelSlot, asyncio.Future | None], stream: bool,
-                 respond: Callable[[ModelSlot], Awaitable[Any]], before_wait: Callable[[ModelSlot], ErrorFrames]
-                 ) -> Any:
-    """``respond(slot)``'s response once the model of ``admitted`` (:meth:`mlxd.registry.ModelRegistry.admit`) is
-    ready. A streaming request for a model still loading after ``[server] keepalive_s`` gets an :class:`EventStream`
-    then: ``before_wait(slot)`` first checks what the model's config can check (raising a 4xx before the stream
-    opens) and says how the surface writes an error frame; keep-alive comments follow until the model is ready,
-    then ``respond``'s stream."""
-    slot, loaded = admitted
+async def answer(models: ModelRegistry, requested: str, stream: bool, respond: Respond,
+                 before_wait: Callable[[ModelSlot], ErrorFrames]) -> Any:
+    """``respond(slot, arrived)``'s response once the model ``requested`` names is ready (admitted by
+    :meth:`mlxd.registry.ModelRegistry.admit`; ``arrived``: when the request came, None when the model was ready).
+    A streaming request for a model still loading after ``[server] keepalive_s`` gets an :class:`EventStream` then:
+    ``before_wait(slot)`` first checks what the model's config can check (raising a 4xx before the stream opens)
+    and says how the surface writes an error frame; keep-alive comments follow until the model is ready, then
+    ``respond``'s stream."""
+    arrived = time.monotonic()
+    slot, loaded = await models.admit(requested)
     if loaded is None:
-        return await respond(slot)
+        return await respond(slot, None)
+    keepalive_s = slot.config.server.keepalive_s
     if stream:
         error_frames = before_wait(slot)
         # A load (or its failure) within one keep-alive interval is answered as if the model had been ready: a
         # failure is then an HTTP error with Retry-After rather than a frame in an open stream.
-        await asyncio.wait({loaded}, timeout=slot.config.server.keepalive_s)
+        await asyncio.wait({loaded}, timeout=keepalive_s)
         if not loaded.done():
-            return EventStream(after_load(slot.name, loaded, slot.config.server.keepalive_s, respond, error_frames))
-    return await respond(await loaded)
+            return EventStream(after_load(slot.name, loaded, keepalive_s, lambda ready: respond(ready, arrived),
+                                          error_frames))
+    return await respond(await loaded, arrived)
 
 
 async def after_load(name: str, loaded: asyncio.Future, keepalive_s: float,

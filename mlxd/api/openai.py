@@ -43,8 +43,8 @@ class OpenAIController(Controller):
             job = jobs.chat_job(data, served.name, served.config.model.sampling, served.config.engine.max_n)
             return loading.error_frames(render.ChatRenderer(job.request_id, int(time.time()), served.name, data.n))
 
-        return await loading.answer(await daemon.models.admit(data.model), data.stream,
-                                    lambda served: _chat(request, data, served, metrics), before_wait)
+        return await loading.answer(daemon.models, data.model, data.stream,
+                                    lambda served, arrived: _chat(request, data, served, metrics, arrived), before_wait)
 
     @post("/completions", status_code=200, dto=StrictJSON[CompletionRequest], return_dto=None)
     async def completions(
@@ -60,8 +60,9 @@ class OpenAIController(Controller):
             return loading.error_frames(render.CompletionRenderer(job.request_id, int(time.time()), served.name,
                                                                   data.n))
 
-        return await loading.answer(await daemon.models.admit(data.model), data.stream,
-                                    lambda served: _completion(request, data, served, metrics), before_wait)
+        return await loading.answer(daemon.models, data.model, data.stream,
+                                    lambda served, arrived: _completion(request, data, served, metrics, arrived),
+                                    before_wait)
 
     @get("/models")
     async def list_models(self, daemon: NamedDependency[Daemon]) -> ModelList:
@@ -75,13 +76,14 @@ class OpenAIController(Controller):
         return ModelCard(model_id, daemon.created, state=daemon.models.resolve(model_id).state)
 
 
-async def _chat(request: Request, data: ChatCompletionRequest, served: ModelSlot,
-                metrics: Metrics) -> ChatCompletion | EventStream:
+async def _chat(request: Request, data: ChatCompletionRequest, served: ModelSlot, metrics: Metrics,
+                arrived: float | None) -> ChatCompletion | EventStream:
     model = served.name
     jobs.check_vocabulary(data, served.model_info)
     check_size(data, **served.size_limits())
     job = jobs.chat_job(data, model, served.config.model.sampling, served.config.engine.max_n)
-    events, trace = await respond.start(served, job, "chat", metrics.observe, n=data.n, receive=request.receive)
+    events, trace = await respond.start(served, job, "chat", metrics.observe, n=data.n, receive=request.receive,
+                                        arrived=arrived)
     created, logprobs = int(time.time()), job.num_logprobs is not None
     if not data.stream:
         outputs = await respond.collect(events, trace, request.receive)
@@ -91,14 +93,14 @@ async def _chat(request: Request, data: ChatCompletionRequest, served: ModelSlot
     return EventStream(respond.stream_sse(events, trace, renderer))
 
 
-async def _completion(request: Request, data: CompletionRequest, served: ModelSlot,
-                      metrics: Metrics) -> Completion | EventStream:
+async def _completion(request: Request, data: CompletionRequest, served: ModelSlot, metrics: Metrics,
+                      arrived: float | None) -> Completion | EventStream:
     model = served.name
     jobs.check_vocabulary(data, served.model_info)
     check_size(data, **served.size_limits())
     job = jobs.completion_job(data, model, served.config.model.sampling, served.config.engine.max_n)
     events, trace = await respond.start(served, job, "completions", metrics.observe, n=data.n,
-                                        receive=request.receive)
+                                        receive=request.receive, arrived=arrived)
     created = int(time.time())
     echo = job.prompt_text if data.echo else ""
     if not data.stream:

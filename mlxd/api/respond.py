@@ -67,6 +67,8 @@ class Trace:
     num_choices: int = 1
     # Seconds the pipeline's preparation took (rendering, tokenizing, images), on a worker thread.
     prepare_s: float | None = None
+    # Seconds the request waited for its model to load (several models: mlxd.api.loading); None when it was ready.
+    model_wait_s: float | None = None
     # The engine's account of the (first choice's) request: its last event, once the engine let it go.
     engine_end: Finished | Failed | None = None
     # Whether the engine took the request on (its stream opened): its log line then waits for ``engine_end``.
@@ -124,6 +126,7 @@ class Trace:
             request_id=self.job.request_id,
             endpoint=self.endpoint,
             model=self.job.model,
+            model_wait_s=self.model_wait_s,
             route=self.job.route or None,
             images=len(self.job.images) or None,
             prompt_tokens=len(self.job.prompt_ids),
@@ -179,17 +182,22 @@ def _decode_fields(decode: dict[str, Any] | None, job: Job) -> dict[str, Any] | 
 
 
 async def start(served: ModelSlot, job: Job, endpoint: str, on_end: Callable[[Trace], None] | None = None,
-                n: int = 1, receive: Receive | None = None) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
+                n: int = 1, receive: Receive | None = None,
+                arrived: float | None = None) -> tuple[AsyncIterator[tuple[int, Any]], Trace]:
     """Prepare the job (:func:`prepare`) and open its stream (``n`` choices: :mod:`mlxd.api.choices`); errors here
     (bad request, overload, a client gone) become HTTP errors. The stream yields ``(choice index, event)``.
-    ``on_end(trace)`` is called once the request's log line is written.
+    ``on_end(trace)`` is called once the request's log line is written. ``arrived``: when a request that waited
+    for its model to load came (``time.monotonic()``): its times (TTFT, total) count from then.
     """
     structlog.contextvars.bind_contextvars(request_id=job.request_id)
-    trace = Trace(job, endpoint, time.monotonic(), on_end=on_end)
+    now = time.monotonic()
+    trace = Trace(job, endpoint, arrived if arrived is not None else now, on_end=on_end)
+    if arrived is not None:
+        trace.model_wait_s = round(now - arrived, 4)
     pipeline = served.pipeline
     try:
         await prepare(served, job, receive)
-        trace.prepare_s = round(time.monotonic() - trace.started, 4)
+        trace.prepare_s = round(time.monotonic() - now, 4)
         jobs = siblings(job, n)
         if job.engine_request is not None:  # the first choice's account (siblings are copies made before this)
             job.engine_request.on_end = trace.engine_ended

@@ -46,15 +46,17 @@ class ResponsesController(Controller):
             job, settings = responses_job(data, served.name, served.config.model.sampling)
             return loading.error_frames(ResponsesRenderer(job.request_id, int(time.time()), settings))
 
-        return await loading.answer(await daemon.models.admit(data.model), data.stream,
-                                    lambda served: _response(request, data, served, metrics), before_wait)
+        return await loading.answer(daemon.models, data.model, data.stream,
+                                    lambda served, arrived: _response(request, data, served, metrics, arrived),
+                                    before_wait)
 
 
-async def _response(request: Request, data: ResponsesRequest, served: ModelSlot,
-                    metrics: Metrics) -> ResponseObject | EventStream:
+async def _response(request: Request, data: ResponsesRequest, served: ModelSlot, metrics: Metrics,
+                    arrived: float | None) -> ResponseObject | EventStream:
     check_size(data, **served.size_limits())
     job, settings = responses_job(data, served.name, served.config.model.sampling)
-    events, trace = await respond.start(served, job, "responses", metrics.observe, receive=request.receive)
+    events, trace = await respond.start(served, job, "responses", metrics.observe, receive=request.receive,
+                                        arrived=arrived)
     renderer = ResponsesRenderer(job.request_id, int(time.time()), settings)
     if data.stream:
         return EventStream(respond.stream_sse(events, trace, renderer))
