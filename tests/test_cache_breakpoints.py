@@ -36,14 +36,17 @@ def block_length(model_dir) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def anthropic(client, user: str) -> dict:
+def anthropic_body(user: str) -> dict:
     # As Claude Code sends it: a billing header block that changes with each conversation (left out of the prompt),
     # then the system prompt with a breakpoint; tools with one on the last; one on the user's text.
     header = f"x-anthropic-billing-header: cc_version=2.1.{len(user)}; cch={abs(hash(user)) % 10**6};"
-    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "tools": ANTHROPIC_TOOLS,
+    return {"model": "tiny", "tools": ANTHROPIC_TOOLS,
             "system": [{"type": "text", "text": header}, {"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": user, "cache_control": EPHEMERAL}]}]}
-    response = client.post("/v1/messages", json=body)
+
+
+def anthropic(client, user: str) -> dict:
+    response = client.post("/v1/messages", json={**anthropic_body(user), "max_tokens": 6, "temperature": 0})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -90,6 +93,9 @@ def test_a_new_anthropic_conversation_reuses_the_whole_system_prompt_and_tools(m
         assert cold["usage"]["cache_read_input_tokens"] == 0
         assert cold["content"] == second["content"]
         assert cold["usage"]["input_tokens"] == second["usage"]["input_tokens"] + n
+        # The breakpoints' markers never reach the prompt: count_tokens counts what the model ran.
+        counted = client.post("/v1/messages/count_tokens", json=anthropic_body("What does the parser in this project do?"))
+        assert counted.json()["input_tokens"] == cold["usage"]["input_tokens"]
 
 
 @pytest.mark.parametrize("surface", ["chat", "responses"])
