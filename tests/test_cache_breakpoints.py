@@ -274,3 +274,16 @@ def test_cache_control_on_openai_content_parts_is_a_breakpoint(tiny_qwen3_next_d
         second = chat(client, messages("What is the checker?"))
         assert second["usage"]["prompt_tokens"] == len(ids)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == expected, second["usage"]
+
+
+def test_a_new_conversation_with_an_image_reuses_the_system_prompt_and_tools(tiny_qwen3_5_dir, tmp_path):
+    """The image's placeholder tokens come after the block (the prompt's tokens expand them): the block's end is
+    still found exactly, and a new conversation with another image reuses all of it."""
+    from tests.vision_helpers import user_with_images
+
+    n = block_length(tiny_qwen3_5_dir)
+    with app_client(write_config(tmp_path, tiny_qwen3_5_dir)) as (client, _):
+        for seed, cached in ((1, 0), (2, n)):
+            body = chat(client, [{"role": "system", "content": SYSTEM}, user_with_images("What is it?", seed)],
+                        tools=OPENAI_TOOLS)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, (seed, body["usage"])

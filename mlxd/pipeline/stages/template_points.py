@@ -102,16 +102,28 @@ def token_position(encode: Callable[[str], list[int]], prompt_text: str, prompt_
                    offset: int) -> int | None:
     """The token position where ``prompt_text[:offset]`` ends in ``prompt_ids``, when the prompt's tokens split
     there exactly: the text before it tokenizes to the prompt's first tokens, or the text after it to its last ones
-    (whichever text is shorter is tokenized); else None."""
+    (the shorter text is tried first; the other where images, whose placeholders the prompt's tokens expand, are
+    on the shorter side); else None."""
     if offset <= 0 or offset >= len(prompt_text):
         return None
-    if offset <= len(prompt_text) // 2:
-        head = encode(prompt_text[:offset])
-        n = len(head)
-        return n if 0 < n < len(prompt_ids) and list(prompt_ids[:n]) == head else None
-    tail = encode(prompt_text[offset:])
-    n = len(prompt_ids) - len(tail)
-    return n if 0 < n < len(prompt_ids) and list(prompt_ids[n:]) == tail else None
+    sides = (_from_head, _from_tail) if offset <= len(prompt_text) // 2 else (_from_tail, _from_head)
+    for side in sides:
+        position = side(encode, prompt_text, prompt_ids, offset)
+        if position is not None:
+            return position
+    return None
+
+
+def _from_head(encode: Callable[[str], list[int]], text: str, ids: Sequence[int], offset: int) -> int | None:
+    head = encode(text[:offset])
+    n = len(head)
+    return n if 0 < n < len(ids) and list(ids[:n]) == head else None
+
+
+def _from_tail(encode: Callable[[str], list[int]], text: str, ids: Sequence[int], offset: int) -> int | None:
+    tail = encode(text[offset:])
+    n = len(ids) - len(tail)
+    return n if 0 < n < len(ids) and list(ids[n:]) == tail else None
 
 
 class SharedPrefixes:
