@@ -52,6 +52,7 @@ class ModelRegistry:
         self.gate = gate
         self._room: asyncio.Lock | None = None
         self._reaper: asyncio.Task | None = None
+        self._over_budget = False  # told in the log, until the models fit the budget again
 
     @property
     def first(self) -> ModelSlot:
@@ -223,6 +224,7 @@ class ModelRegistry:
         made the caches grow); then, still over, evict prefix-cache entries, the least recently used model's
         first."""
         if not self.budget or self.held_bytes() <= self.budget:
+            self._over_budget = False
             return
         async with self._room_lock():
             loaded = [s for s in self.slots if s.holds_memory]
@@ -237,10 +239,20 @@ class ModelRegistry:
                     await self.unload(victim, reason="budget", held_bytes=held, budget_bytes=self.budget)
             # Still over (the rest busy or pinned): prefix-cache entries go, the least recently used model's first.
             await self._shrink_caches(sorted(loaded, key=lambda s: s.last_used), self.held_bytes() - self.budget)
+        held = self.held_bytes()
+        if held > self.budget and not self._over_budget:  # once until it fits again
+            log.warning("models_over_budget", held_bytes=held, budget_bytes=self.budget,
+                        models={s.name: s.memory() for s in self.slots if s.holds_memory},
+                        detail="busy or pinned models' running requests reserve more KV than the budget leaves")
+        self._over_budget = held > self.budget
 
     async def _shrink_caches(self, slots: list[ModelSlot], excess: int, **fields: Any) -> None:
-        """Evict prefix-cache entries of the ready ``slots``, in order, until ``excess`` bytes are given back (or
-        none are left); each engine evicts on its own thread, between steps."""
+        """Evict prefix-cache entries of the ready ``slots``, in order, until ``excess`` bytes are given back; each
+        engine evicts on its own thread, between steps. Nothing when their prefix caches together hold less than
+        ``excess``: evicting them would cost later prompts their reuse and still not fit (the KV that running
+        requests reserve is what is over)."""
+        if excess <= 0 or sum(s.memory()["prefix_cache"] for s in slots if s.state == "ready") < excess:
+            return
         for slot in slots:
             engine, held = slot.engine, slot.memory()["prefix_cache"]
             if excess <= 0:

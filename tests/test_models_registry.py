@@ -157,13 +157,18 @@ def test_a_model_that_cannot_fit_gets_503_with_retry_after(tmp_path, tiny_model_
     one = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
                         server_extra=f"models_memory_bytes = {int(one * 1.5)}")
-    with app_client(config) as (client, _):
+    with app_client(config) as (client, daemon):
+        assert complete(client, "a")[0] == 200
+        cached = daemon.models.resolve("a").engine.reuse.num_bytes
+        assert cached > 0
         response = client.post("/v1/chat/completions",
                                json={"model": "b", "messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 503 and float(response.headers["retry-after"]) > 0
         error = response.json()["error"]
         assert "models_memory_bytes" in error["message"] and "'a'" in error["message"]
         assert states(client) == {"a": "ready", "b": "unloaded"}  # the pinned model stays
+        # with its prefix cache: giving it back could not have made room for b's weights
+        assert daemon.models.resolve("a").engine.reuse.num_bytes == cached
 
 
 def test_two_models_streaming_at_once_each_equal_its_solo_run(tmp_path, tiny_model_dir, second_model_dir, solo):
