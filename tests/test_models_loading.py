@@ -119,8 +119,9 @@ def test_streams_for_a_loading_model_get_keep_alives_then_its_answer(tmp_path, t
             num_comments = 0
             while body.startswith(KEEPALIVE, num_comments * len(KEEPALIVE)):
                 num_comments += 1
-            # Comments only until the answer, sent while the load ran: the first within about one keep-alive
-            # interval (not after the load's seconds of silence), and none more than a few intervals apart.
+            # The stream opens with comments sent while the load ran (at least three, before any frame): the first
+            # within about one keep-alive interval, not after the load's seconds of silence, and none more than a
+            # few intervals apart.
             assert num_comments >= 3, (surface, body)
             assert arrivals[0] < LOAD_S / 2, (surface, arrivals)
             load_arrivals = [t for t in arrivals if t < LOAD_S]
