@@ -126,7 +126,14 @@ def check_config(argv: list[str]) -> int:
         print(setting.describe())
     print(f"api keys: {len(keys.api)} (admin: {len(keys.admin) or 'any valid key'})" if keys.enabled
           else "api keys: none (every endpoint is open)")
-    print(pipeline.describe())
+    if not config.models:
+        print(pipeline.describe())
+        return 0
+    from mlxd.assemble import model_pipeline
+    from mlxd.config.models import served_models
+
+    for served in served_models(config):  # each model's own pipeline (they may differ)
+        print(f"[{served.table}] {model_pipeline(served.config, args.config).describe()}")
     return 0
 
 

@@ -143,6 +143,8 @@ def test_check_config_shows_each_model_s_own_settings_and_where_they_came_from(t
                  '[models.b.engine] max_waiting = 64  (default)',  # its own table replaces [engine] whole
                  '[engine] max_waiting = 9  (file)', f'[models.a] source = "{tiny_model_dir}"  (file)'):
         assert line in lines, line
+    assert [line.split(" pipeline from ")[0] for line in lines if " pipeline from " in line] == ["[models.a]",
+                                                                                                  "[models.b]"]
     # Not the first model dressed as [model] (with wrong origins), nor the raw tables in one clipped line; a's
     # engine is the shared [engine], shown once.
     assert not [line for line in lines if line.startswith(("[model] ", "[model.", "models = ", "[models.a.engine]"))]
