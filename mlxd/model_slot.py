@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from mlxd.config.models import ServedModel
 from mlxd.errors import MlxdError, Overloaded, RequestError
 from mlxd.log import get_logger
@@ -148,27 +150,26 @@ class ModelSlot:
         from mlxd.engine.drafters.registry import make_drafter
 
         config, hooks = self.config, self.hooks
-        if hooks.group is not None:
-            from mlxd.engine.distributed.channel import Channel
-            from mlxd.engine.distributed.leader import make_leader_engine
-
-            return make_leader_engine(loaded.model, config.engine, channel=Channel(hooks.group),
-                                      settings=config.distributed)
         if config.model.kind == "embedding":
             from mlxd.engine.embedding import make_embedding_engine
 
             return make_embedding_engine(config.model, config.engine, loaded, self.name, turn=hooks.turn)
-        drafter = make_drafter(config.engine.speculative, loaded.model, loaded.path, hooks.base_dir)
+        engine = engine_within_budget(config)
+        if hooks.group is not None:
+            from mlxd.engine.distributed.channel import Channel
+            from mlxd.engine.distributed.leader import make_leader_engine
+
+            return make_leader_engine(loaded.model, engine, channel=Channel(hooks.group), settings=config.distributed)
+        drafter = make_drafter(engine.speculative, loaded.model, loaded.path, hooks.base_dir)
         if hooks.make_engine is not None:
-            return hooks.make_engine(config.engine, loaded.model, drafter)
+            return hooks.make_engine(engine, loaded.model, drafter)
         if hooks.turn is not None:  # several models on one device: each step takes the device's turn
             from mlxd.engine.engine import BatchedEngine
 
-            return BatchedEngine(loaded.model, config.engine, drafter=drafter,
-                                 held=functools.partial(hooks.turn.held, self.name))
+            return BatchedEngine(loaded.model, engine, drafter=drafter, held=functools.partial(hooks.turn.held, self.name))
         from mlxd.engine.factory import make_engine
 
-        return make_engine(config.engine, loaded.model, drafter)
+        return make_engine(engine, loaded.model, drafter)
 
     def _model_info(self, loaded: Any) -> ModelInfo:
         """What the pipeline's stages know of the model."""
@@ -309,6 +310,19 @@ class ModelSlot:
                 "num_requests": self.num_requests, "num_active": engine.num_active if engine is not None else 0,
                 "num_loads": self.num_loads, "num_unloads": self.num_unloads,
                 "idle_s": round(time.monotonic() - self.last_used, 1)}
+
+
+def engine_within_budget(config: Any) -> Any:
+    """The model's ``[engine]`` settings with ``memory_limit_bytes`` (what its admission lets weights, KV and prefix
+    cache hold; 0: a share of the device's memory) at most ``[server] models_memory_bytes``: one model alone never
+    holds more than all of them may together (the registry keeps their sum within it). Called where MLX may load."""
+    engine, budget = config.engine, config.server.models_memory_bytes
+    if not budget:
+        return engine
+    from mlxd.engine.schedule.memory import default_limit_bytes
+
+    return msgspec.structs.replace(engine, memory_limit_bytes=min(engine.memory_limit_bytes or default_limit_bytes(),
+                                                                  budget))
 
 
 def weight_file_bytes(source: str, base_dir: Any) -> int:

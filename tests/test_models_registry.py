@@ -258,6 +258,7 @@ def test_the_budget_counts_each_model_s_prefix_cache_beside_its_weights(tmp_path
         status, body = complete(client, "a")
         assert status == 200 and body["choices"][0]["text"] == solo["a"]
         a = daemon.models.resolve("a")
+        assert a.engine.memory.limit_bytes == budget  # its own admission: never more than all models may hold
         prefix = a.engine.reuse.num_bytes
         assert prefix > 4096 + weight_files(tiny_model_dir) - a.weight_bytes  # what makes the two not fit
         model = {m["name"]: m for m in client.get("/v1/status").json()["models"]}["a"]
