@@ -62,7 +62,8 @@ class ServerConfig(Base):
     max_messages: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10_000
     # Several models ([models.NAME]): bytes all loaded models may hold together, each its weights, KV reservations and
     # prefix cache; a model that does not fit unloads the least recently used idle, unpinned ones, else its request
-    # gets 503 with Retry-After; caches that grow past it unload idle ones too. 0: no bound.
+    # gets 503 with Retry-After; caches that grow past it unload idle ones too (then prefix-cache entries go), and no
+    # model's own [engine] memory_limit_bytes exceeds it. 0: no bound.
     models_memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)] = 0
 
 
