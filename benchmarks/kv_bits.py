@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -210,7 +211,7 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
 
 def report(args: argparse.Namespace, device: str, results: list[Setting], streams: list[int], shape: str) -> str:
     base = results[0]
-    command = " ".join(["python benchmarks/kv_bits.py", *sys.argv[1:]])
+    command = shlex.join(["python", "benchmarks/kv_bits.py", *sys.argv[1:]])
     lines = [
         f"<!-- kv_bits.py {device}: start -->",
         f"## KV-cache quantization, {args.label or device} ({time.strftime('%Y-%m-%d')})",
