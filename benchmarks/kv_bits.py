@@ -77,6 +77,7 @@ class Setting:
     tok_s: dict[int, float] = field(default_factory=dict)
     loads: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    refused: str = ""  # the engine's reason, when it refused this setting at start-up
 
     @property
     def name(self) -> str:
@@ -167,31 +168,43 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 
 def measure(loaded, args: argparse.Namespace, streams: list[int]) -> list[Setting]:
-    model = loaded.model
+    """Each setting measured on an engine of its own; a setting the engine refuses at start-up (a device with no
+    quantized attention for it, say) is reported with the reason."""
+    from mlxd.errors import ConfigError
+
     agree = agreement_prompts(loaded.tokenizer, args.prompts, args.prompt_tokens) if args.prompts else []
     results = []
     for bits in SETTINGS:
         setting = Setting(bits, dtype=loaded.dtype)
-        engine = make_engine(model, bits, args, max(streams))
         try:
-            cost = engine.core.memory.kv
-            setting.admitted_per_token = cost.num_bytes_per_token_total
-            setting.longest = longest_context(cost, int(args.budget_gib * 1024**3))
-            setting.held_per_token = held_bytes_per_token(model, bits, args.group_size, HELD_TOKENS)
-            vocab = engine.vocab_size
-            for n in streams:
-                setting.loads.append(load_avg())
-                runs = generate(engine, random_prompts(n, args.context, vocab, seed=n), args.max_tokens, f"s{n}")
-                setting.tok_s[n] = decode_tok_s(runs)
-                print(f"{setting.name}: {n} streams {setting.tok_s[n]:.1f} tok/s "  # noqa: T201
-                      f"(load {setting.loads[-1]})", flush=True)
-            for start in range(0, len(agree), max(streams)):
-                batch = agree[start : start + max(streams)]
-                setting.outputs += [[t for _, t in s] for s in generate(engine, batch, args.agree_tokens, "a")]
-        finally:
-            engine.stop()
+            engine = make_engine(loaded.model, bits, args, max(streams))
+        except ConfigError as e:
+            setting.refused = str(e)
+            print(f"{setting.name}: refused: {e}", flush=True)  # noqa: T201
+        else:
+            try:
+                measure_setting(setting, engine, loaded.model, args, streams, agree)
+            finally:
+                engine.stop()
         results.append(setting)
     return results
+
+
+def measure_setting(setting: Setting, engine, model, args: argparse.Namespace, streams: list[int],
+                    agree: list[list[int]]) -> None:
+    cost = engine.core.memory.kv
+    setting.admitted_per_token = cost.num_bytes_per_token_total
+    setting.longest = longest_context(cost, int(args.budget_gib * 1024**3))
+    setting.held_per_token = held_bytes_per_token(model, setting.bits, args.group_size, HELD_TOKENS)
+    for n in streams:
+        setting.loads.append(load_avg())
+        prompts = random_prompts(n, args.context, engine.vocab_size, seed=n)
+        setting.tok_s[n] = decode_tok_s(generate(engine, prompts, args.max_tokens, f"s{n}"))
+        print(f"{setting.name}: {n} streams {setting.tok_s[n]:.1f} tok/s (load {setting.loads[-1]})",  # noqa: T201
+              flush=True)
+    for start in range(0, len(agree), max(streams)):
+        batch = agree[start : start + max(streams)]
+        setting.outputs += [[t for _, t in s] for s in generate(engine, batch, args.agree_tokens, "a")]
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, int, list[int]]:
@@ -227,6 +240,9 @@ def report(args: argparse.Namespace, device: str, results: list[Setting], stream
         "|---|---|---|---|---|" + "---|" * len(streams),
     ]
     for r in results:
+        if r.refused:
+            lines.append(f"| {r.name} | refused at start-up: {r.refused} |" + " |" * (3 + len(streams)))
+            continue
         lines.append(f"| {r.name} | {r.admitted_per_token:,} | {r.held_per_token:,.0f} | "
                      f"{r.held_per_token / base.held_per_token:.3f} | {r.longest:,} | "
                      + " | ".join(f"{r.tok_s[n]:.1f}" for n in streams) + " |")
@@ -235,7 +251,7 @@ def report(args: argparse.Namespace, device: str, results: list[Setting], stream
                   f"tokens (windows of README.md), {args.agree_tokens} tokens each.", "",
                   "| KV cache | identical tokens | prompts identical throughout | first divergence (median, min, max) |",
                   "|---|---|---|---|"]
-        for r in results[1:]:
+        for r in (r for r in results[1:] if not r.refused):
             share, whole, firsts = agreement(base.outputs, r.outputs)
             where = (f"{statistics.median(firsts):.0f}, {min(firsts)}, {max(firsts)}" if firsts else "none")
             lines.append(f"| {r.name} | {share:.1%} | {whole} of {len(r.outputs)} | {where} |")

@@ -21,7 +21,12 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from mlxd.cache.prefix_cache import PrefixCache
-from mlxd.cache.quantized import BatchQuantizedKVCache, KVQuantization, QuantizedLayer
+from mlxd.cache.quantized import (
+    BatchQuantizedKVCache,
+    KVQuantization,
+    QuantizedLayer,
+    check_quantized_attention,
+)
 from mlxd.cache.store import take_snapshot
 from mlxd.config.load import load_config
 from mlxd.config.schema import EngineConfig, SpeculativeConfig
@@ -284,6 +289,27 @@ def test_a_group_size_that_does_not_divide_the_heads_is_refused_at_start_up(tiny
     model, _ = load(str(tiny_model_dir))  # heads of 16 features
     with pytest.raises(ConfigError, match=r"kv_bits = 8, kv_group_size = 32: .*cannot run on quantized keys"):
         measure_memory(model, kv=KVQuantization(8, 32))
+
+
+def test_a_device_without_quantized_attention_for_the_setting_is_refused_naming_what_works(reference):
+    """MLX's CUDA backend lacks some quantized_matmul kernels (8 bits in groups of 64 over bfloat16 heads of 128, on
+    an H200): the start-up probe's failure, injected here through the attention it calls, is a config error naming
+    the device, MLX's message and the settings that do run."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    model, _ = reference
+
+    def without_eight_bits(*args: Any, bits: int, **kw: Any) -> mx.array:
+        if bits == 8:
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+        return quantized_scaled_dot_product_attention(*args, bits=bits, **kw)
+
+    kv = KVQuantization(8, 32)
+    with pytest.raises(ConfigError, match=r"kv_bits = 8, kv_group_size = 32: Device\(cpu, 0\) has no quantized "
+                       r"attention for heads of 32 in mlx.core.float32 \(\[quantized_matmul\] No implementation.*\); "
+                       r"what works here: kv_bits = 4, kv_group_size = 32$"):
+        check_quantized_attention(model, lambda: make_request_cache(model, 0, kv), kv, without_eight_bits)
+    check_quantized_attention(model, lambda: make_request_cache(model, 0, kv), kv)  # the real one runs here
 
 
 class _SlidingWindowModel:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, dynamic_roll
 
 from mlxd.config.schema import EngineConfig
@@ -62,11 +62,40 @@ def quantize_layers(layers: list[Any], kv: KVQuantization) -> list[Any]:
     return out
 
 
-def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], kv: KVQuantization) -> None:
+# What the device probe runs quantized attention at, over PROBE_KEYS keys: (rows, query positions) of a lone decode
+# step, a batched one (a mask array) and a prompt pass (causal). MLX's CUDA backend has no quantized_matmul for some
+# (bits, group size, dtype, shape): bfloat16 heads of 128 at 8 bits in groups of 64 raised "No implementation for
+# problem shape" in a 128-token pass on an H200, where groups of 32 ran.
+PROBE_SHAPES = ((1, 1), (2, 1), (1, 128))
+PROBE_KEYS = 256
+
+Attend = Callable[..., mx.array]
+
+
+def probe_attention(kv: KVQuantization, head_dim: int, kv_heads: int, dtype: mx.Dtype,
+                    attend: Attend = quantized_scaled_dot_product_attention) -> str | None:
+    """None when this device computes ``attend`` (mlx-lm's quantized attention) at ``kv`` for these heads at each of
+    :data:`PROBE_SHAPES`, else MLX's message."""
+    try:
+        for rows, length in PROBE_SHAPES:
+            queries = mx.zeros((rows, 2 * kv_heads, length, head_dim), dtype=dtype)
+            keys = mx.quantize(mx.ones((rows, kv_heads, PROBE_KEYS, head_dim), dtype=dtype),
+                               group_size=kv.group_size, bits=kv.bits)
+            mask = "causal" if length > 1 else mx.ones((rows, 1, 1, PROBE_KEYS), dtype=mx.bool_)
+            mx.eval(attend(queries, keys, keys, scale=head_dim**-0.5, mask=mask, group_size=kv.group_size,
+                           bits=kv.bits))
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], kv: KVQuantization,
+                              attend: Attend = quantized_scaled_dot_product_attention) -> None:
     """Refuse, at start-up, a model that cannot attend over quantized keys and values: a vision-language model,
     layers with no quantized form (:func:`quantize_layers`), head sizes that are not a multiple of ``group_size``,
-    attention sinks. ``make_cache`` gives a fresh request cache; one position's graph is built through it (shapes
-    only: nothing is evaluated)."""
+    attention sinks (one position's graph is built through ``make_cache``'s fresh request cache, not evaluated), and
+    a device with no quantized attention for these heads (:func:`probe_attention`; the error names the settings that
+    work here)."""
     where = f"[engine] kv_bits = {kv.bits}, kv_group_size = {kv.group_size}"
     if hasattr(model, "encode"):
         raise ConfigError(f"{where}: vision-language models are refused: image rows' prompt passes (mlx-vlm's "
@@ -78,18 +107,26 @@ def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], k
     except ValueError as e:
         raise ConfigError(f"{where}: this model's attention cannot run on quantized keys and values ({e}); "
                           "unset kv_bits or choose a kv_group_size that divides the head size") from e
+    heads = _heads(layers, kv)
+    failure = probe_attention(kv, *heads, attend) if heads is not None else None
+    if failure is not None:
+        others = [KVQuantization(bits, size) for bits in (8, 4) for size in (32, 64, 128)
+                  if (bits, size) != (kv.bits, kv.group_size) and heads[0] % size == 0]
+        works = [f"kv_bits = {o.bits}, kv_group_size = {o.group_size}" for o in others
+                 if probe_attention(o, *heads, attend) is None]
+        raise ConfigError(f"{where}: {mx.default_device()} has no quantized attention for heads of {heads[0]} in "
+                          f"{heads[2]} ({failure}); " + (f"what works here: {'; '.join(works)}" if works else
+                                                         "no other kv_bits and kv_group_size works here either; "
+                                                         "unset kv_bits"))
 
 
-def to_mlx_lm(layers: list[Any]) -> list[Any]:
-    """``layers`` with each :class:`QuantizedLayer` as mlx-lm's ``QuantizedKVCache`` (same arrays, same ``state``), for
-    ``save_prompt_cache``, whose ``load_prompt_cache`` finds classes by name in ``mlx_lm.models.cache``."""
-    return [QuantizedKVCache.from_state(layer.state) if type(layer) is QuantizedLayer else layer for layer in layers]
-
-
-def from_mlx_lm(layers: list[Any]) -> list[Any]:
-    """The inverse of :func:`to_mlx_lm`: mlx-lm's ``QuantizedKVCache`` layers (as ``load_prompt_cache`` gives them)
-    as :class:`QuantizedLayer`, which a decode batch can merge."""
-    return [QuantizedLayer.from_state(layer.state) if type(layer) is QuantizedKVCache else layer for layer in layers]
+def _heads(layers: list[Any], kv: KVQuantization) -> tuple[int, int, mx.Dtype] | None:
+    """(head size, key-value heads, dtype) of the first quantized layer that holds keys."""
+    for layer in layers:
+        if type(layer) is QuantizedLayer and layer.keys is not None:
+            scales = layer.keys[1]
+            return scales.shape[-1] * kv.group_size, scales.shape[1], scales.dtype
+    return None
 
 
 def each_part(fn: Callable[[mx.array], mx.array], keys: Any) -> Any:
