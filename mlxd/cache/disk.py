@@ -66,6 +66,13 @@ HEADER_RESERVE_BYTES = 64 * 1024  # a file's header beyond its tokens (class nam
 PERSIST_TIMEOUT_S = 8.0
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # gone meanwhile (another process sharing the folder): indexing it fails and says so
+        return 0.0
+
+
 class DiskTier:
     """Snapshots in files under ``root/<identity key>``, within ``budget_bytes``; see the module's docstring.
 
@@ -94,7 +101,7 @@ class DiskTier:
         """Create the folder, index the files in it (oldest first; bad ones deleted) and start the writer."""
         started = time.perf_counter()
         self.folder.mkdir(parents=True, exist_ok=True)
-        paths = sorted(self.folder.iterdir(), key=lambda p: p.stat().st_mtime)
+        paths = sorted(self.folder.iterdir(), key=_mtime)
         for path in paths:
             if path.name.startswith(TEMP_PREFIX):  # a write that a crash or kill cut short
                 path.unlink(missing_ok=True)
@@ -112,6 +119,7 @@ class DiskTier:
         try:
             metadata = read_metadata(path)
             tokens = self._check_metadata(metadata)
+            num_bytes = path.stat().st_size
         except (CorruptFile, OSError) as e:
             self._reject(path, str(e), "open")
             return
@@ -119,7 +127,7 @@ class DiskTier:
             if not tokens or self._index.find(tokens) is not None:
                 path.unlink(missing_ok=True)
                 return
-            self._add(tokens, path.name, path.stat().st_size, metadata.get("trimmable") == "1")
+            self._add(tokens, path.name, num_bytes, metadata.get("trimmable") == "1")
 
     def _check_metadata(self, metadata: dict[str, str]) -> tuple[int, ...]:
         if metadata.get("format") != FORMAT:
