@@ -57,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens each answer generates")
     parser.add_argument("--out", type=Path, help="markdown document whose section this run replaces")
     parser.add_argument("--keep", type=Path, help="keep the daemons' logs and the cache folder here")
+    parser.add_argument("--source", default=SOURCE, help="[model] source: the embedded model (default) or an mlx-lm "
+                        "folder; a folder of benchmarks/random_model.py (word-level tokenizer) gets a prompt of its "
+                        "own words, one token each")
     return parser.parse_args(argv)
 
 
@@ -82,9 +85,13 @@ def load_avg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").exists() else float("nan")
 
 
-def agent_messages(num_tokens: int) -> list[dict]:
+def agent_messages(num_tokens: int, source: str = SOURCE) -> list[dict]:
     """Turn 1: a coding agent's system prompt (its rules and tools, then this repository's files as it read them)
-    of about ``num_tokens`` tokens, and the user's request."""
+    of about ``num_tokens`` tokens, and the user's request. A random model's word-level tokenizer knows only its own
+    words (``t2``, ``t3``, ...): its system prompt is ``num_tokens`` of them."""
+    if source != SOURCE and _word_level(Path(source)):
+        words = " ".join(f"t{2 + (i * 7919) % 3000}" for i in range(num_tokens))
+        return [{"role": "system", "content": words}, {"role": "user", "content": "t5 t6 t7 t8"}]
     parts, size = ["You are a coding agent working in the mlxd repository. Read files before editing them, keep "
                    "changes small, run the tests after each change, and answer with the tool calls you make. Tools:\n"
                    f"{TOOLS}\n"], 0
@@ -99,14 +106,26 @@ def agent_messages(num_tokens: int) -> list[dict]:
                                         "entries are evicted and say which file you would change first."}]
 
 
-async def stream_chat(port: int, messages: list[dict], max_tokens: int) -> Turn:
-    body = json.dumps({"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}).encode()
+def _word_level(folder: Path) -> bool:
+    tokenizer = folder / "tokenizer.json"
+    return tokenizer.exists() and json.loads(tokenizer.read_text()).get("model", {}).get("type") == "WordLevel"
+
+
+async def stream_chat(port: int, messages: list[dict], max_tokens: int, plain: bool = False) -> Turn:
+    """One streamed turn: a chat completion, or with ``plain`` (a model without a chat template) a completion of the
+    messages' texts joined by spaces."""
+    common = {"model": "agent", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if plain:
+        path, body = "/v1/completions", {**common, "prompt": " ".join(m["content"] for m in messages)}
+    else:
+        path, body = "/v1/chat/completions", {**common, "messages": messages}
+    payload = json.dumps(body).encode()
     turn = Turn(load=load_avg())
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    writer.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" % path.encode()
+                 + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(f"{status!r} {(await reader.read())[:2000]!r}")
@@ -116,7 +135,7 @@ async def stream_chat(port: int, messages: list[dict], max_tokens: int) -> Turn:
         frame = json.loads(line[6:])
         turn.usage = frame.get("usage") or turn.usage
         for choice in frame.get("choices") or []:
-            if content := choice["delta"].get("content"):
+            if content := (choice.get("delta") or {}).get("content") or choice.get("text"):
                 turn.ttft_s = turn.ttft_s or time.perf_counter() - started
                 turn.text += content
     writer.close()
@@ -124,7 +143,7 @@ async def stream_chat(port: int, messages: list[dict], max_tokens: int) -> Turn:
     return turn
 
 
-def write_config(folder: Path, port: int, cache_dir: Path | None) -> Path:
+def write_config(folder: Path, port: int, cache_dir: Path | None, source: str) -> Path:
     config = folder / f"mlxd-{port}.toml"
     disk = f'prefix_cache_dir = "{cache_dir}"\n' if cache_dir is not None else ""
     config.write_text(f"""pipeline = "chat"
@@ -133,8 +152,8 @@ host = "127.0.0.1"
 port = {port}
 drain_timeout_s = 5
 [model]
-source = "{SOURCE}"
-name = "smollm2-135m"
+source = "{source}"
+name = "agent"
 context_length = 32768
 [engine]
 max_running = 4
@@ -147,18 +166,20 @@ format = "json"
     return config
 
 
-def run_daemon(name: str, folder: Path, cache_dir: Path | None, messages: list[dict], max_tokens: int) -> Daemon:
+def run_daemon(name: str, folder: Path, cache_dir: Path | None, messages: list[dict], max_tokens: int,
+               source: str) -> Daemon:
     """Start a daemon, send one turn, read its status, stop it with SIGTERM (timed) and wait for its exit."""
     port = free_port()
     log = folder / f"{name}.log"
     started = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "--config", str(write_config(folder, port, cache_dir))],
+        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "--config", str(write_config(folder, port, cache_dir, source))],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(port, "/health", proc, log)
         ready_s = time.perf_counter() - started
-        turn = asyncio.run(stream_chat(port, messages, max_tokens))
+        plain = source != SOURCE and _word_level(Path(source))
+        turn = asyncio.run(stream_chat(port, messages, max_tokens, plain))
         status = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=30).json()
         print(f"{name}: TTFT {turn.ttft_s:.2f} s, {turn.usage} (load {turn.load})", flush=True)
         stopping = time.perf_counter()
@@ -192,9 +213,11 @@ def report(args: argparse.Namespace, a: Daemon, b: Daemon, c: Daemon, files: lis
         START,
         f"## The prefix cache's disk tier: a long agent turn after a restart ({time.strftime('%Y-%m-%d')})",
         "",
-        f"`python benchmarks/disk_cache.py --tokens {args.tokens} --max-tokens {args.max_tokens}`; "
-        f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, CPU backend. Model `{SOURCE}` "
-        "(float32 on the CPU), `prefill_chunk = 2048`, streaming, greedy; each daemon a fresh process. The load "
+        f"`python benchmarks/disk_cache.py --tokens {args.tokens} --max-tokens {args.max_tokens}"
+        f"{'' if args.source == SOURCE else ' --source ' + args.source}`; "
+        f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}. Model `{args.source}` "
+        f"({'float32 on the CPU' if args.source == SOURCE else 'its own dtype, default device'}), "
+        "`prefill_chunk = 2048`, streaming, greedy; each daemon a fresh process. The load "
         "average (1 minute) is given with each number: the machine was shared.",
         "",
         "| daemon | prompt tokens | cached | TTFT | request | load |",
@@ -239,13 +262,13 @@ def main(argv: list[str]) -> None:
     folder = Path(tempfile.mkdtemp(prefix="mlxd-disk-cache-"))
     cache_dir = folder / "prefix-cache"
     try:
-        messages = agent_messages(args.tokens)
-        a = run_daemon("A", folder, cache_dir, messages, args.max_tokens)
+        messages = agent_messages(args.tokens, args.source)
+        a = run_daemon("A", folder, cache_dir, messages, args.max_tokens, args.source)
         files = [p.stat().st_size for p in cache_dir.rglob("*.safetensors")]
         messages = [*messages, {"role": "assistant", "content": a.turn.text},
                     {"role": "user", "content": "Good. Now make that change and run the prefix-cache tests."}]
-        b = run_daemon("B", folder, cache_dir, messages, args.max_tokens)
-        c = run_daemon("C", folder, None, messages, args.max_tokens)
+        b = run_daemon("B", folder, cache_dir, messages, args.max_tokens, args.source)
+        c = run_daemon("C", folder, None, messages, args.max_tokens, args.source)
         section = report(args, a, b, c, files, folder)
         print(section)
         if args.out:
