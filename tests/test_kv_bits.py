@@ -312,6 +312,18 @@ def test_a_device_without_quantized_attention_for_the_setting_is_refused_naming_
     check_quantized_attention(model, lambda: make_request_cache(model, 0, kv), kv)  # the real one runs here
 
 
+def test_mlx_cuda_backend_is_refused_before_any_probe(reference):
+    """On MLX's CUDA backend quantized_matmul has no kernel for some prompt shapes (an H200: a 128-token pass over
+    128 keys at 8 bits, groups of 32 and of 64), which a start-up probe cannot cover: kv_bits is a config error there,
+    naming the setting and the reason; on the CPU (this machine) the same check passes."""
+    model, _ = reference
+    kv = KVQuantization(8, 32)
+    with pytest.raises(ConfigError, match=r"kv_bits = 8, kv_group_size = 32: refused on MLX's CUDA backend: .*"
+                       r"No implementation for problem shape.*unset kv_bits$"):
+        check_quantized_attention(model, lambda: make_request_cache(model, 0, kv), kv, cuda=lambda: True)
+    check_quantized_attention(model, lambda: make_request_cache(model, 0, kv), kv, cuda=lambda: False)
+
+
 class _SlidingWindowModel:
     """A model whose cache has a sliding-window layer (as Gemma's and Mistral's local-attention layers do)."""
 

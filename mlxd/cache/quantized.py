@@ -89,9 +89,16 @@ def probe_attention(kv: KVQuantization, head_dim: int, kv_heads: int, dtype: mx.
     return None
 
 
+def on_cuda() -> bool:
+    """Whether arrays are computed by MLX's CUDA backend."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], kv: KVQuantization,
-                              attend: Attend = quantized_scaled_dot_product_attention) -> None:
-    """Refuse, at start-up, a model that cannot attend over quantized keys and values: a vision-language model,
+                              attend: Attend = quantized_scaled_dot_product_attention,
+                              cuda: Callable[[], bool] = on_cuda) -> None:
+    """Refuse, at start-up, a model that cannot attend over quantized keys and values: MLX's CUDA backend (``cuda``:
+    its quantized_matmul lacks kernels for shapes no probe can cover in advance), a vision-language model,
     layers with no quantized form (:func:`quantize_layers`), head sizes that are not a multiple of ``group_size``,
     attention sinks (one position's graph is built through ``make_cache``'s fresh request cache, not evaluated), and
     a device with no quantized attention for these heads (:func:`probe_attention`; the error names the settings that
@@ -101,6 +108,12 @@ def check_quantized_attention(model: Any, make_cache: Callable[[], list[Any]], k
         raise ConfigError(f"{where}: vision-language models are refused: image rows' prompt passes (mlx-vlm's "
                           "language models and mlxd's vision prefill) are not verified on quantized caches; unset "
                           "kv_bits for this model")
+    if cuda():
+        raise ConfigError(f"{where}: refused on MLX's CUDA backend: its quantized_matmul has no kernel for some "
+                          "prompt-pass shapes (on an H200, MLX 0.32.4: a 128-token pass over 128 keys at 8 bits in "
+                          "groups of 32 or 64, bfloat16 heads of 128, raised 'No implementation for problem shape', "
+                          "where 256 keys ran), so a request could fail in the middle of its prompt; kv_bits runs on "
+                          "Apple silicon (Metal) and the CPU; unset kv_bits")
     layers = make_cache()
     try:
         model(mx.zeros((1, 1), dtype=mx.uint32), cache=layers)
