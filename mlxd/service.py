@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TextIO
 
 from mlxd.assemble import load_everything
+from mlxd.config.models import served_models
+from mlxd.config.schema import DaemonConfig
 
 # Beyond the drain: uvicorn's wait for open connections (5 s) and the engine's shutdown.
 STOP_MARGIN_S = 15
@@ -77,6 +79,12 @@ def mlxd_command() -> list[str]:
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
     return [str(python), "-m", "mlxd"]
+
+
+def persist_s(config: DaemonConfig) -> float:
+    """The longest a clean stop waits, after the drain, for a model's prefix-cache disk tier to be written."""
+    return max((served.config.engine.prefix_cache_persist_s for served in served_models(config)
+                if served.config.engine.prefix_cache_dir), default=0.0)
 
 
 def build_spec(args: argparse.Namespace, drain_timeout_s: float, distributed: bool = False) -> ServiceSpec:
@@ -249,7 +257,7 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     drain_timeout_s, distributed = 0.0, False
     if args.action != "uninstall":
         config, _ = load_everything(args.config)
-        drain_timeout_s, distributed = config.server.drain_timeout_s, config.distributed is not None
+        drain_timeout_s, distributed = config.server.drain_timeout_s + persist_s(config), config.distributed is not None
     spec = build_spec(args, drain_timeout_s, distributed)
     if args.action == "print":
         out.write(render(spec).decode())

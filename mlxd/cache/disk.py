@@ -61,9 +61,6 @@ TEMP_PREFIX = ".tmp-"
 # snapshot larger than this alone is, as the only one waiting).
 MAX_PENDING_BYTES = 1024**3
 HEADER_RESERVE_BYTES = 64 * 1024  # a file's header beyond its tokens (class names, offsets), made room for in advance
-# A clean stop waits this long for the entries still in memory to be written (within the service manager's stop
-# margin beyond the drain, mlxd.service.STOP_MARGIN_S); what is left is not written (no partial file stays).
-PERSIST_TIMEOUT_S = 8.0
 
 
 def _mtime(path: Path) -> float:

@@ -196,6 +196,10 @@ class EngineConfig(Base):
     prefix_cache_dir: str = ""
     # Bytes of files the disk tier keeps for this model; the least recently used are deleted beyond it.
     prefix_cache_disk_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] = 16 * 1024**3
+    # Seconds a clean stop (after the drain) waits for the disk tier to write the entries still in memory; what is
+    # not written by then is lost (no partial file stays). A 20k-token prompt of an 8B model is about 3 GB: give it
+    # time. `mlxd service` adds it to the unit's stop timeout.
+    prefix_cache_persist_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     # Vision-language models: bytes of image features (vision-tower outputs) kept by image digest, so that an image
     # re-sent in a later turn costs no vision-tower run; 0 turns it off.
     vision_feature_cache_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 512 * 1024**2

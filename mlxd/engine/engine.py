@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxd.cache.disk import PERSIST_TIMEOUT_S
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
 from mlxd.engine.commands import (
@@ -162,7 +161,7 @@ class BatchedEngine:
         self._thread.join(timeout=30)
         cache = self.reuse.cache
         if cache is not None and self.failure is None and not self._thread.is_alive():
-            cache.persist(PERSIST_TIMEOUT_S)  # the prefix cache's disk tier keeps what memory holds (a clean stop)
+            cache.persist(self.config.prefix_cache_persist_s)  # the disk tier keeps what memory holds (a clean stop)
 
     def abort_all(self, message: str) -> None:
         """End every request the engine holds (waiting, prefilling, decoding) with ``Failed(message, 503)``.
