@@ -82,6 +82,8 @@ class ModelSlot:
         self._leased_at = 0.0
         self.loading: asyncio.Future | None = None  # the load running on a thread
         self.admitting: asyncio.Future | None = None  # room being made for a load (mlxd.registry)
+        # Its side of the budget several models' engines share (mlxd.registry.KVLedger); None: no shared budget.
+        self.kv_share: Any = None
 
     # ---- loading (a loader thread) ----
 
@@ -166,7 +168,8 @@ class ModelSlot:
         if hooks.turn is not None:  # several models on one device: each step takes the device's turn
             from mlxd.engine.engine import BatchedEngine
 
-            return BatchedEngine(loaded.model, engine, drafter=drafter, held=functools.partial(hooks.turn.held, self.name))
+            return BatchedEngine(loaded.model, engine, drafter=drafter, held=functools.partial(hooks.turn.held, self.name),
+                                 kv_share=self.kv_share)
         from mlxd.engine.factory import make_engine
 
         return make_engine(engine, loaded.model, drafter)

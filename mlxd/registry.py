@@ -6,8 +6,10 @@ nothing else knows how many models there are. MLX is imported only inside the lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
 import gc
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +40,63 @@ class Room:
         return not self.budget or self.held + self.need <= self.budget
 
 
+class KVLedger:
+    """The models' memory budget as their engines' admission sees it (thread-safe, plain Python): a row starts only
+    while the weights of every model that holds memory (loading or ready) and every engine's KV reservations, its
+    own included, fit ``budget`` together. Prefix caches are not counted here: they give way to running requests
+    (each engine evicts its own; :meth:`ModelRegistry.keep_within_budget` the others'). Each engine holds a
+    :class:`KVShare` (:class:`mlxd.engine.schedule.scheduler.SharedKV`)."""
+
+    def __init__(self, budget: int, slots: list[ModelSlot]) -> None:
+        self.budget, self.slots = budget, slots
+        self.lock = threading.Lock()  # also held by the registry while it decides that a model may load
+        self.reserved: dict[str, int] = {}
+
+    def share(self, name: str) -> KVShare:
+        return KVShare(self, name)
+
+    def weight_bytes(self) -> int:
+        return sum(s.expected_bytes() for s in self.slots if s.holds_memory)
+
+    def claim(self, name: str, num_bytes: int) -> bool:
+        with self.lock:
+            others = sum(n for owner, n in self.reserved.items() if owner != name)
+            if num_bytes > self.reserved.get(name, 0) and self.weight_bytes() + others + num_bytes > self.budget:
+                return False
+            self.reserved[name] = num_bytes
+            return True
+
+    def settle(self, name: str, num_bytes: int) -> None:
+        with self.lock:
+            self.reserved[name] = num_bytes
+
+    def forget(self, name: str) -> None:
+        """An unloaded model reserves nothing."""
+        with self.lock:
+            self.reserved.pop(name, None)
+
+    def num_reserved_bytes(self) -> int:
+        with self.lock:
+            return sum(self.reserved.values())
+
+
+@dataclass(frozen=True)
+class KVShare:
+    """One model's side of the :class:`KVLedger` (what its engine's scheduler claims and settles)."""
+
+    ledger: KVLedger
+    name: str
+
+    def claim(self, num_bytes: int) -> bool:
+        return self.ledger.claim(self.name, num_bytes)
+
+    def settle(self, num_bytes: int) -> None:
+        self.ledger.settle(self.name, num_bytes)
+
+    def fits_alone(self, num_bytes: int) -> bool:
+        return self.ledger.weight_bytes() + num_bytes <= self.ledger.budget
+
+
 class ModelRegistry:
     """Every configured model (:func:`mlxd.config.models.served_models`), in config order.
 
@@ -49,6 +108,10 @@ class ModelRegistry:
                  budget: int = 0, gate: Callable[[], None] | None = None) -> None:
         self.slots = [ModelSlot(s, hooks, pipeline=first_pipeline if i == 0 else None) for i, s in enumerate(served)]
         self.budget = budget
+        # Rows of several models' engines start within the budget too (one model: its own admission suffices).
+        self.ledger = KVLedger(budget, self.slots) if budget and len(self.slots) > 1 else None
+        for slot in self.slots:
+            slot.kv_share = self.ledger.share(slot.name) if self.ledger is not None else None
         self.gate = gate
         self._room: asyncio.Lock | None = None
         self._reaper: asyncio.Task | None = None
@@ -116,7 +179,11 @@ class ModelRegistry:
             if slot.state == "ready" or slot.loading is not None:
                 return
             await self._make_room(slot)
-            slot.state = "loading"
+            with self.ledger.lock if self.ledger is not None else contextlib.nullcontext():
+                room = self.room_for(slot)  # again, while no engine may start a row
+                if not room.fits:
+                    raise self._no_room(slot, room)
+                slot.state = "loading"
             slot.loading = asyncio.ensure_future(asyncio.to_thread(slot.load_safely))  # records a failure in state
             slot.loading.add_done_callback(lambda _: setattr(slot, "loading", None))
 
@@ -154,11 +221,14 @@ class ModelRegistry:
             await self._shrink_caches(others, room.held + room.need - room.budget, for_model=slot.name)
             room = self.room_for(slot)
         if not room.fits:
-            busy = [s.name for s in self.slots if s is not slot and s.holds_memory]
-            retry_after = max([s.engine.retry_after_s() for s in self.slots if s.state == "ready"] or [5.0])
-            raise NotReady(f"model {slot.name!r} ({room.need} bytes) does not fit [server] models_memory_bytes = "
-                           f"{room.budget} beside the loaded models {busy} ({room.held} bytes of weights, KV and "
-                           "prefix cache), which are busy or pinned; retry shortly", retry_after=retry_after)
+            raise self._no_room(slot, room)
+
+    def _no_room(self, slot: ModelSlot, room: Room) -> NotReady:
+        busy = [s.name for s in self.slots if s is not slot and s.holds_memory]
+        retry_after = max([s.engine.retry_after_s() for s in self.slots if s.state == "ready"] or [5.0])
+        return NotReady(f"model {slot.name!r} ({room.need} bytes) does not fit [server] models_memory_bytes = "
+                        f"{room.budget} beside the loaded models {busy} ({room.held} bytes of weights, KV and "
+                        "prefix cache), which are busy or pinned; retry shortly", retry_after=retry_after)
 
     def room_for(self, slot: ModelSlot) -> Room:
         """What loading ``slot`` needs (its weights) and what the other models hold (weights, KV, prefix cache)."""
@@ -176,6 +246,8 @@ class ModelRegistry:
         """Unload ``slot`` (ready → unloaded) and wait until its memory is given back."""
         before, held = slot.active_bytes, slot.memory()
         freed = await asyncio.to_thread(free_engine, [slot.detach()])  # no other reference while it is freed
+        if self.ledger is not None:
+            self.ledger.forget(slot.name)
         log.info("model_unloaded", model=slot.name, reason=reason, freed_bytes=freed, loaded_bytes=before,
                  **{f"{kind}_bytes": value for kind, value in held.items()}, **fields)
 
@@ -243,7 +315,7 @@ class ModelRegistry:
         if held > self.budget and not self._over_budget:  # once until it fits again
             log.warning("models_over_budget", held_bytes=held, budget_bytes=self.budget,
                         models={s.name: s.memory() for s in self.slots if s.holds_memory},
-                        detail="busy or pinned models' running requests reserve more KV than the budget leaves")
+                        detail="prefix caches that busy or pinned models keep could not be shrunk within the budget")
         self._over_budget = held > self.budget
 
     async def _shrink_caches(self, slots: list[ModelSlot], excess: int, **fields: Any) -> None:

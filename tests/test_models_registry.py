@@ -49,9 +49,26 @@ format = "json"
     return path
 
 
-def complete(client, model: str) -> tuple[int, dict]:
-    response = client.post("/v1/completions", json={"model": model, "prompt": PROMPT})
+def complete(client, model: str, prompt: str = PROMPT) -> tuple[int, dict]:
+    response = client.post("/v1/completions", json={"model": model, "prompt": prompt})
     return response.status_code, response.json()
+
+
+@pytest.fixture(scope="module")
+def row(tmp_path_factory, tiny_model_dir) -> int:
+    """Bytes of KV one request of these tests reserves (both models share a shape): a budget must leave room
+    for one such row beside the loaded models' weights for a request to start (mlxd.registry.KVLedger)."""
+    folder = tmp_path_factory.mktemp("row")
+    with app_client(write_config(folder, tiny_model_dir, model_extra="")) as (_, daemon):
+        engine = daemon.engine
+        return engine.memory.kv.num_bytes(32, engine.config.prefill_chunk)
+
+
+def fill_prefix_cache(client) -> None:
+    """Two prompts to model a: its prefix cache keeps an entry of each, more than one row of KV holds."""
+    for prompt in (PROMPT, "A different story begins"):
+        status, _ = complete(client, "a", prompt)
+        assert status == 200
 
 
 def solo_text(tmp: Path, model_dir: Path) -> str:
@@ -276,13 +293,14 @@ def test_the_budget_counts_each_model_s_prefix_cache_beside_its_weights(tmp_path
 
 
 def test_caches_that_grow_past_the_budget_unload_the_least_recently_used_idle_model(tmp_path, tiny_model_dir,
-                                                                                   second_model_dir, solo):
-    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+                                                                                   second_model_dir, solo, row):
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + row + 4096
     config = two_models(tmp_path, tiny_model_dir, second_model_dir, b_extra='load = "at_start"',
                         server_extra=f"models_memory_bytes = {budget}")
     with app_client(config) as (client, daemon):
-        assert states(client) == {"a": "ready", "b": "ready"}  # the weights alone fit
-        status, body = complete(client, "a")  # a's prefix cache grows past the budget: b, idle, makes room
+        assert states(client) == {"a": "ready", "b": "ready"}  # the weights alone fit, and a row beside them
+        fill_prefix_cache(client)  # a's prefix cache grows past the budget: b, idle, makes room
+        status, body = complete(client, "a")
         assert status == 200 and body["choices"][0]["text"] == solo["a"]
         deadline = time.monotonic() + 10
         while states(client)["b"] != "unloaded" and time.monotonic() < deadline:
@@ -294,33 +312,35 @@ def test_caches_that_grow_past_the_budget_unload_the_least_recently_used_idle_mo
         assert states(client) == {"a": "unloaded", "b": "ready"}
 
 
-def test_a_pinned_model_s_prefix_cache_makes_room_for_another(tmp_path, tiny_model_dir, second_model_dir, solo):
-    """The weights of both fit, not beside a's prefix cache; a is pinned: its prefix cache gives the room back
-    instead of b getting 503."""
+def test_a_pinned_model_s_prefix_cache_makes_room_for_another(tmp_path, tiny_model_dir, second_model_dir, solo,
+                                                             row):
+    """The weights of both fit (and a row beside them), not beside a's prefix cache; a is pinned: its prefix cache
+    gives the room back instead of b getting 503."""
     from structlog.testing import capture_logs
 
-    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + row + 4096
     config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
                         server_extra=f"models_memory_bytes = {budget}")
     with app_client(config) as (client, daemon), capture_logs() as logs:
-        assert complete(client, "a")[0] == 200
+        fill_prefix_cache(client)
         a = daemon.models.resolve("a")
-        assert a.engine.reuse.num_bytes > 4096 + weight_files(tiny_model_dir) - a.weight_bytes
+        assert a.engine.reuse.num_bytes > row + 4096 + weight_files(tiny_model_dir) - a.weight_bytes
         status, body = complete(client, "b")
         assert status == 200 and body["choices"][0]["text"] == solo["b"]
         assert states(client) == {"a": "ready", "b": "ready"}
-        [shrunk] = [e for e in logs if e["event"] == "prefix_cache_shrunk"]
+        [shrunk] = [e for e in logs if e["event"] == "prefix_cache_shrunk" and e.get("for_model") == "b"]
         assert shrunk["model"] == "a" and shrunk["for_model"] == "b" and shrunk["freed_bytes"] > 0
         status, body = complete(client, "a")  # a still answers as itself (its prompt computed again)
         assert status == 200 and body["choices"][0]["text"] == solo["a"]
 
 
 def test_pinned_models_whose_caches_grow_past_the_budget_give_back_prefix_cache(tmp_path, tiny_model_dir,
-                                                                               second_model_dir, solo):
-    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + 4096
+                                                                               second_model_dir, solo, row):
+    budget = weight_files(tiny_model_dir) + weight_files(second_model_dir) + row + 4096
     config = two_models(tmp_path, tiny_model_dir, second_model_dir, a_extra="pin = true",
                         b_extra='load = "at_start"\npin = true', server_extra=f"models_memory_bytes = {budget}")
     with app_client(config) as (client, daemon):
+        fill_prefix_cache(client)
         status, body = complete(client, "a")
         assert status == 200 and body["choices"][0]["text"] == solo["a"]
         deadline = time.monotonic() + 10

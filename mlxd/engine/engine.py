@@ -47,7 +47,7 @@ from mlxd.engine.drafters.base import Drafter
 from mlxd.engine.prefix import PromptReuse
 from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.memory import MemoryBudget, memory_status, require_fits
-from mlxd.engine.schedule.scheduler import Scheduler, SequenceState
+from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, SharedKV
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.engine.step.steptimes import StepTimes
 from mlxd.engine.step.vision import VisionPrefill
@@ -62,6 +62,10 @@ log = get_logger("mlxd.engine")
 
 Reply = tuple[asyncio.AbstractEventLoop, asyncio.Future]  # where a command's result goes (clear_prefix_cache)
 
+# While the head of its queue waits for room that other models' rows hold (a shared budget) and nothing of its own
+# runs, the engine looks again this often, taking commands in between.
+SHARED_ROOM_POLL_S = 0.01
+
 
 class BatchedEngine:
     """Serves many requests at once: chunked prompt processing interleaved with batched decode steps.
@@ -75,7 +79,8 @@ class BatchedEngine:
                  make_sampler: Callable[[SamplingParams], Any] = make_request_sampler,
                  drafter: Drafter | None = None, channel: Group | None = None,
                  leader: Leader | None = None,
-                 held: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+                 held: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                 kv_share: SharedKV | None = None) -> None:
         self.model = model
         # Held around each step and the warm-up: the device's turn when several models share it
         # (:class:`mlxd.runtime.device_turn.DeviceTurn`); nothing otherwise.
@@ -88,6 +93,8 @@ class BatchedEngine:
         self.core = EngineCore(model, config, make_sampler=make_sampler, drafter=drafter, channel=channel,
                                deliver=deliver, record=leader.record if leader is not None else None)
         self.leader = leader
+        # A memory budget shared with other models' engines (mlxd.registry): admission claims each row from it too.
+        self.core.scheduler.shared = kv_share
         # Why the engine thread ended, when it did not end by stop(); on_failure(reason) is called then, on the
         # engine thread.
         self.failure: str | None = None
@@ -186,6 +193,7 @@ class BatchedEngine:
         if self.memory is not None:  # a request that could never fit is a 400 now, not a wait forever
             state.num_kv_bytes = require_fits(self.memory, len(request.prompt), request.max_tokens,
                                               request.prefill_chunk)
+            self._require_shared_room(state.num_kv_bytes)
         handle = RequestHandle(request.request_id, self, asyncio.get_running_loop(), on_end=request.on_end)
         submitted = Submitted(request, handle, state)
         with self.core.table.lock:
@@ -199,6 +207,15 @@ class BatchedEngine:
             self.core.table.pending[request.request_id] = submitted
         self._inbox.put((Accept(RequestSpec.of(request)), None))
         return submitted.handle
+
+    def _require_shared_room(self, num_kv_bytes: int) -> None:
+        """Under a budget shared with other models, a request whose cache cannot fit beside their weights even once
+        none of their rows runs gets 503 now (retry once an idle model is unloaded), instead of waiting for good."""
+        shared = self.scheduler.shared
+        if shared is not None and not shared.fits_alone(num_kv_bytes):
+            raise NotReady(f"this request needs {num_kv_bytes} bytes of KV cache, more than [server] "
+                           "models_memory_bytes leaves beside the loaded models' weights; retry once another model "
+                           "is unloaded, or lower max_tokens", retry_after=max(5.0, self.retry_after_s()))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         self._inbox.put((Cancel(request_id, reason), None))
@@ -302,9 +319,11 @@ class BatchedEngine:
             return
         try:
             # Blocking on the inbox only while idle, the queue-wait check runs every iteration it matters in.
-            while self._apply_inbox(block=not self.scheduler.has_work):
+            wait_s = None
+            while self._apply_inbox(block=not self.scheduler.has_work, wait_s=wait_s):
                 self.core.expire_waiting()
-                if self.scheduler.has_work:
+                wait_s = self._shared_wait_s()
+                if self.scheduler.has_work and wait_s is None:
                     self.step()
                 else:
                     self._idle()
@@ -314,15 +333,25 @@ class BatchedEngine:
         if self.leader is not None and self.failure is None:
             self.leader.stopped()
 
-    def _apply_inbox(self, block: bool) -> bool:
+    def _shared_wait_s(self) -> float | None:
+        """:data:`SHARED_ROOM_POLL_S` while nothing of this engine runs and its head waits for room in a budget
+        shared with other models (else None): the loop waits for commands that long instead of stepping in vain."""
+        scheduler, head = self.scheduler, self.scheduler.head
+        if scheduler.shared is None or scheduler.running or head is None:
+            return None
+        return None if scheduler.shared.claim(scheduler.num_reserved_bytes_with(head)) else SHARED_ROOM_POLL_S
+
+    def _apply_inbox(self, block: bool, wait_s: float | None = None) -> bool:
         """Apply queued commands; return False once one said stop. Blocks for at most the leader's heartbeat (else
-        until a command comes) when ``block``.
+        until a command comes) when ``block``, for at most ``wait_s`` when that is given.
 
         A request that wakes the idle engine waits for the requests arriving with it: commands are taken until
         none has come for ``gather_ms`` (at most ten times that in all), so that a burst of requests starts in one
         prompt pass instead of the first alone and the rest a step later."""
         gather_s = self.config.gather_ms / 1000
         idle_wait_s = self.leader.heartbeat_s if self.leader is not None else None
+        if wait_s is not None:
+            block, idle_wait_s = True, wait_s
         deadline = None
         while True:
             try:

@@ -19,6 +19,11 @@ for room instead of being starved by small ones. Reservations end when a request
 
 A request whose images are still being encoded (``encoding``, beside the engine's steps) waits in the queue without
 being its head: the requests behind it go first, and it is admitted once its images are in.
+
+Several models under one memory budget (``[server] models_memory_bytes``): the scheduler's ``shared`` (a
+:class:`SharedKV`, the registry's) also has to grant each admission's reservation beside the other models' weights
+and reservations; the head that it refuses waits, as it does when its own budget is full, until another model's
+rows end.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Phase = Literal["waiting", "prefill", "decode"]
 
@@ -120,6 +125,26 @@ class StepPlan:
         return sum(s.num_feeding for s in self.decode) + sum(n for _, n in self.prefill)
 
 
+class SharedKV(Protocol):
+    """A memory budget this engine shares with others (:class:`mlxd.registry.KVLedger`'s share for one model);
+    thread-safe, plain Python."""
+
+    def claim(self, num_bytes: int) -> bool:
+        """Whether this engine's running requests may reserve ``num_bytes`` in all beside what the other engines
+        hold; when yes, that much is held for it (until the next ``claim`` or ``settle``). Never refuses less
+        than what is held already."""
+        ...
+
+    def settle(self, num_bytes: int) -> None:
+        """What this engine's running requests reserve now (rows ended, or a claim not taken up)."""
+        ...
+
+    def fits_alone(self, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` of reservations fit beside the loaded models' weights, once no other engine
+        reserves anything."""
+        ...
+
+
 class Scheduler:
     """Owns the ``waiting`` and ``running`` queues; :meth:`schedule` plans one step."""
 
@@ -138,6 +163,8 @@ class Scheduler:
         self.max_pass_tokens = 0
         # The rows a decode batch of n requests occupies: n, or its bucket where the engine pads decode steps.
         self.row_width: Callable[[int], int] = _as_is
+        # A budget shared with other models' engines, which must grant each admission too; None: this engine's own.
+        self.shared: SharedKV | None = None
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
 
@@ -200,7 +227,12 @@ class Scheduler:
         return head is not None and len(self.running) < self.max_running and self._fits(budget_bytes, head)
 
     def _fits(self, budget_bytes: int | None, *sequences: SequenceState) -> bool:
-        return budget_bytes is None or self.num_reserved_bytes_with(*sequences) <= budget_bytes
+        """Whether the running requests and ``sequences`` fit ``budget_bytes``, and the shared budget's grant (a
+        claim held until the plan settles: the check and the reservation are one step there)."""
+        num_bytes = self.num_reserved_bytes_with(*sequences)
+        if budget_bytes is not None and num_bytes > budget_bytes:
+            return False
+        return self.shared is None or self.shared.claim(num_bytes)
 
     def admit(self) -> SequenceState:
         sequence = self.head
@@ -243,7 +275,12 @@ class Scheduler:
             budget -= num_tokens
         if self.max_pass_tokens:
             prefill += self._admit_burst(prefill)
+        self._settle()
         return StepPlan(prefill, decode)
+
+    def _settle(self) -> None:
+        if self.shared is not None:  # what was claimed for the head and not taken up goes back
+            self.shared.settle(self.num_reserved_bytes)
 
     def _admit_burst(self, prefill: list[tuple[SequenceState, int]]) -> list[tuple[SequenceState, int]]:
         """Admit whole text prompts from the head of the queue, in order, while this step's whole prompts hold at
@@ -291,6 +328,7 @@ class Scheduler:
             for sequence in queue:
                 if sequence.request_id == request_id:
                     queue.remove(sequence)
+                    self._settle()
                     return sequence
         return None
 
