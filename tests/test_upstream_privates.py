@@ -201,9 +201,9 @@ def test_each_upstream_private_mlxd_uses_still_works(private: Private, tmp_path:
 
 
 # Underscore names of other objects that mlxd reads which are not upstream privates: its own objects' helpers
-# (used across its own classes), and the documented os._exit.
+# (used across its own classes), the documented os._exit and NamedTuple._replace.
 _MLXD_OWN = {"_check_name", "_deliver", "_loop", "_ticker", "_exit", "_drain_then_exit", "_launch", "_matmul",
-             "_memo", "_rotary", "_write"}
+             "_memo", "_rotary", "_write", "_replace"}
 _UPSTREAM = ("mlx", "mlx_lm", "mlx_vlm", "jinja2", "uvicorn")
 
 

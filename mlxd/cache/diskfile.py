@@ -107,7 +107,7 @@ def read_metadata(path: Path) -> dict[str, str]:
 # ---- layers as mlx-lm writes them ----
 
 def _is_mlx_lm(cls: type) -> bool:
-    return getattr(mlx_lm_cache, cls.__name__, None) is cls and cls is not mlx_lm_cache._BaseCache
+    return not cls.__name__.startswith("_") and getattr(mlx_lm_cache, cls.__name__, None) is cls  # public classes
 
 
 def _file_class(cls: type) -> type | None:
