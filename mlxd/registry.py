@@ -342,6 +342,10 @@ class ModelRegistry:
             log.info("prefix_cache_shrunk", model=slot.name, freed_bytes=freed, prefix_cache_bytes=held - freed,
                      **fields)
 
+    def loaded_engines(self) -> list[tuple[str, Any]]:
+        """Each ready model's name and engine, in config order (what ``/metrics`` reads at scrape time)."""
+        return [(slot.name, slot.engine) for slot in self.slots if slot.state == "ready" and slot.engine is not None]
+
     def describe(self) -> list[dict[str, Any]]:
         """Each model's state, memory and requests (``/v1/status``, ``/v1/models``, ``/metrics``)."""
         return [slot.describe() for slot in self.slots]

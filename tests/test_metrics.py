@@ -72,21 +72,25 @@ def test_counts_match_what_was_sent(tiny_model_dir, tmp_path):
         assert gaps == sum(n - 1 for n in num_chunks)
 
         status, stats = client.get("/v1/status").json(), client.get("/v1/cache/stats").json()
-        assert value(samples, "mlxd_running") == 0 and value(samples, "mlxd_waiting") == 0
+        tiny = {"model": "tiny"}  # engine metrics name their model
+        assert value(samples, "mlxd_running", **tiny) == 0 and value(samples, "mlxd_waiting", **tiny) == 0
         for kind in ("exact", "prefix", "longer", "diverged"):
-            assert value(samples, "mlxd_prefix_cache_hits_total", kind=kind) == stats["hits"][kind]
+            assert value(samples, "mlxd_prefix_cache_hits_total", kind=kind, **tiny) == stats["hits"][kind]
         assert stats["num_hits"] >= 1
-        assert value(samples, "mlxd_prefix_cache_misses_total") == stats["num_misses"]
-        assert value(samples, "mlxd_prefix_cache_evictions_total") == stats["num_evictions"]
-        assert value(samples, "mlxd_prefix_cache_bytes") == stats["num_bytes"] > 0
-        assert value(samples, "mlxd_memory_bytes", kind="active") > 0
-        assert value(samples, "mlxd_memory_bytes", kind="weights") == status["memory"]["weights_bytes"]
-        assert value(samples, "mlxd_memory_bytes", kind="limit") == status["memory"]["limit_bytes"]
+        assert value(samples, "mlxd_prefix_cache_misses_total", **tiny) == stats["num_misses"]
+        assert value(samples, "mlxd_prefix_cache_evictions_total", **tiny) == stats["num_evictions"]
+        assert value(samples, "mlxd_prefix_cache_bytes", **tiny) == stats["num_bytes"] > 0
+        assert value(samples, "mlxd_memory_bytes", kind="active", **tiny) > 0
+        assert value(samples, "mlxd_memory_bytes", kind="weights", **tiny) == status["memory"]["weights_bytes"]
+        assert value(samples, "mlxd_memory_bytes", kind="limit", **tiny) == status["memory"]["limit_bytes"]
 
 
 def test_each_app_has_its_own_registry():
     class NoModels:
         def describe(self) -> list:
+            return []
+
+        def loaded_engines(self) -> list:
             return []
 
     class NoEngine:
@@ -100,3 +104,48 @@ def test_each_app_has_its_own_registry():
     assert b"mlxd_prompt_tokens_total 7.0" in first.exposition()
     assert b"mlxd_requests_total{" not in second.exposition()
     assert b"mlxd_running" not in second.exposition()  # no engine yet: no engine gauges
+
+
+def test_engine_metrics_have_one_sample_per_loaded_model(tmp_path, tiny_model_dir, tiny_models_root):
+    """Two models: mlxd_running, mlxd_waiting, the prefix cache's and memory's gauges carry a sample of each loaded
+    model, its own numbers (each engine's); a model not loaded has none."""
+    import threading
+    import time
+
+    from tests.support.tiny import tiny_model_cached
+    from tests.test_models_registry import PROMPT, two_models
+
+    other = tiny_model_cached(tiny_models_root, "llama", seed=1)
+    with app_client(two_models(tmp_path, tiny_model_dir, other)) as (client, daemon):
+        samples = scrape(client)
+        assert {s.labels["model"] for s in samples["mlxd_running"]} == {"a"}  # b is not loaded yet
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"model": "b", "prompt": PROMPT}).status_code == 200
+        a, b = (daemon.models.resolve(name).engine for name in ("a", "b"))
+        seen: list[tuple[float, float]] = []  # (a's running, b's running) while a's request runs
+
+        def watch() -> None:
+            deadline = time.monotonic() + 60
+            while sender.is_alive() and time.monotonic() < deadline:
+                scraped = scrape(client)
+                seen.append((value(scraped, "mlxd_running", model="a"), value(scraped, "mlxd_running", model="b")))
+
+        sender = threading.Thread(target=lambda: client.post("/v1/completions", json={
+            "model": "a", "prompt": PROMPT, "max_tokens": 200}))
+        watcher = threading.Thread(target=watch)
+        sender.start()
+        watcher.start()
+        sender.join(120)
+        watcher.join(120)
+        assert (1, 0) in seen  # a's request counted in a's sample, not in b's
+        samples = scrape(client)
+        for name, engine in (("a", a), ("b", b)):
+            stats, memory = engine.cache_stats(), engine.status()["memory"]
+            assert value(samples, "mlxd_waiting", model=name) == 0
+            assert value(samples, "mlxd_prefix_cache_bytes", model=name) == stats["num_bytes"] > 0
+            assert value(samples, "mlxd_prefix_cache_misses_total", model=name) == stats["num_misses"]
+            for kind in ("exact", "prefix", "longer", "diverged"):
+                assert value(samples, "mlxd_prefix_cache_hits_total", model=name, kind=kind) == stats["hits"][kind]
+            assert value(samples, "mlxd_memory_bytes", model=name, kind="weights") == memory["weights_bytes"]
+        misses = {name: value(samples, "mlxd_prefix_cache_misses_total", model=name) for name in ("a", "b")}
+        assert misses == {"a": 1, "b": 2}  # each model counts its own lookups: one request to a, two to b

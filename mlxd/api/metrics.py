@@ -1,8 +1,8 @@
 """Prometheus metrics for ``GET /metrics``, every name prefixed ``mlxd_``.
 
 Two sources: each request's trace, when its log line is written (requests by endpoint and outcome, tokens, time
-to first token, gaps between tokens), and the engine, read when the metrics are scraped (running and waiting
-requests, the prefix cache, memory). Each app has its own registry, so several apps in one process (tests) never
+to first token, gaps between tokens), and each loaded model's engine, read when the metrics are scraped (running and
+waiting requests, the prefix cache, memory; one sample per model, labelled ``model``). Each app has its own registry, so several apps in one process (tests) never
 share counters.
 """
 
@@ -63,7 +63,8 @@ class Metrics:
 
 
 class EngineCollector(Collector):
-    """Gauges and counters read from the engine at scrape time; nothing while no engine is loaded."""
+    """Gauges and counters read from each loaded model's engine at scrape time, one sample per model (label
+    ``model``); nothing while no engine is loaded."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -72,21 +73,28 @@ class EngineCollector(Collector):
         return []  # registering must not read the engine
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.daemon.engine
-        if engine is None or self.daemon.state not in ("ready", "draining"):
+        if self.daemon.state not in ("ready", "draining"):
             return
-        status = engine.status()
-        yield _gauge("mlxd_running", "Requests in the running batch (prefilling or decoding).",
-                     len(status["running"]))
-        yield _gauge("mlxd_waiting", "Requests waiting for a running slot.", len(status["waiting"]))
-        yield from _cache_metrics(engine.cache_stats())
+        engines = self.daemon.models.loaded_engines()
+        if not engines:
+            return
+        running = GaugeMetricFamily("mlxd_running", "Requests in the running batch (prefilling or decoding).",
+                                    labels=["model"])
+        waiting = GaugeMetricFamily("mlxd_waiting", "Requests waiting for a running slot.", labels=["model"])
         memory = GaugeMetricFamily("mlxd_memory_bytes", "Memory by kind: active, peak and cache (the MLX "
-                                   "allocator), limit, weights, kv_reserved, kv_fixed, prefix_cache (admission).",
-                                   labels=["kind"])
-        for key, value in status["memory"].items():
-            if key.endswith("_bytes") and isinstance(value, int | float):
-                memory.add_metric([key.removesuffix("_bytes")], value)
-        yield memory
+                                   "allocator, the process's: the same for every model), limit, weights, "
+                                   "kv_reserved, kv_fixed, prefix_cache (the model's admission).",
+                                   labels=["model", "kind"])
+        caches = CacheFamilies()
+        for name, engine in engines:
+            status = engine.status()
+            running.add_metric([name], len(status["running"]))
+            waiting.add_metric([name], len(status["waiting"]))
+            for key, value in status["memory"].items():
+                if key.endswith("_bytes") and isinstance(value, int | float):
+                    memory.add_metric([name, key.removesuffix("_bytes")], value)
+            caches.add(name, engine.cache_stats())
+        yield from (running, waiting, *caches.families(), memory)
 
 
 class ModelsCollector(Collector):
@@ -126,34 +134,55 @@ class ModelsCollector(Collector):
         yield from (state, memory, active, *counters.values())
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, value=value)
+DISK_COUNTERS = (
+    ("hits", "Prefix-cache lookups served from a file of the disk tier."),
+    ("misses", "Prefix-cache lookups that reached the disk tier and found nothing better than memory."),
+    ("bytes_read", "Bytes of files the disk tier read for lookups."),
+    ("bytes_written", "Bytes of files the disk tier wrote."),
+    ("errors", "Disk-tier files rejected (torn, truncated, altered, another model's) or not written."),
+    ("evictions", "Disk-tier files deleted to stay within prefix_cache_disk_bytes."),
+)
 
 
-def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
-    yield _gauge("mlxd_prefix_cache_bytes", "Bytes of prompt state the prefix cache holds.", stats.get("num_bytes", 0))
-    hits = CounterMetricFamily("mlxd_prefix_cache_hits", "Prefix-cache hits by kind: exact, prefix (a shorter "
-                               "cached prompt), longer (trimmed back), diverged (a shared start).", labels=["kind"])
-    for kind in CACHE_HIT_KINDS:
-        hits.add_metric([kind], stats.get("hits", {}).get(kind, 0))
-    yield hits
-    yield CounterMetricFamily("mlxd_prefix_cache_misses", "Prefix-cache lookups that found nothing to reuse.",
-                              value=stats.get("num_misses", 0))
-    yield CounterMetricFamily("mlxd_prefix_cache_evictions", "Prefix-cache entries evicted to stay within the "
-                              "budget.", value=stats.get("num_evictions", 0))
-    if "disk" in stats:
-        yield from _disk_metrics(stats["disk"])
+class CacheFamilies:
+    """The prefix cache's metrics (and its disk tier's, [engine] prefix_cache_dir, for models that have one), one
+    sample per model."""
 
+    def __init__(self) -> None:
+        labels = ["model"]
+        self.bytes = GaugeMetricFamily("mlxd_prefix_cache_bytes", "Bytes of prompt state the prefix cache holds.",
+                                       labels=labels)
+        self.hits = CounterMetricFamily("mlxd_prefix_cache_hits", "Prefix-cache hits by kind: exact, prefix (a "
+                                        "shorter cached prompt), longer (trimmed back), diverged (a shared start).",
+                                        labels=["model", "kind"])
+        self.misses = CounterMetricFamily("mlxd_prefix_cache_misses", "Prefix-cache lookups that found nothing to "
+                                          "reuse.", labels=labels)
+        self.evictions = CounterMetricFamily("mlxd_prefix_cache_evictions", "Prefix-cache entries evicted to stay "
+                                             "within the budget.", labels=labels)
+        self.disk_bytes = GaugeMetricFamily("mlxd_prefix_disk_bytes", "Bytes of files the prefix cache's disk tier "
+                                            "holds.", labels=labels)
+        self.disk_entries = GaugeMetricFamily("mlxd_prefix_disk_entries", "Entries the prefix cache's disk tier "
+                                              "holds.", labels=labels)
+        self.disk = {key: CounterMetricFamily(f"mlxd_prefix_disk_{key}", documentation, labels=labels)
+                     for key, documentation in DISK_COUNTERS}
+        self.num_disk = 0
 
-def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
-    """The prefix cache's disk tier ([engine] prefix_cache_dir)."""
-    yield _gauge("mlxd_prefix_disk_bytes", "Bytes of files the prefix cache's disk tier holds.", disk["num_bytes"])
-    yield _gauge("mlxd_prefix_disk_entries", "Entries the prefix cache's disk tier holds.", disk["num_entries"])
-    for key, documentation in (
-            ("hits", "Prefix-cache lookups served from a file of the disk tier."),
-            ("misses", "Prefix-cache lookups that reached the disk tier and found nothing better than memory."),
-            ("bytes_read", "Bytes of files the disk tier read for lookups."),
-            ("bytes_written", "Bytes of files the disk tier wrote."),
-            ("errors", "Disk-tier files rejected (torn, truncated, altered, another model's) or not written."),
-            ("evictions", "Disk-tier files deleted to stay within prefix_cache_disk_bytes.")):
-        yield CounterMetricFamily(f"mlxd_prefix_disk_{key}", documentation, value=disk[f"num_{key}"])
+    def add(self, model: str, stats: dict[str, Any]) -> None:
+        self.bytes.add_metric([model], stats.get("num_bytes", 0))
+        for kind in CACHE_HIT_KINDS:
+            self.hits.add_metric([model, kind], stats.get("hits", {}).get(kind, 0))
+        self.misses.add_metric([model], stats.get("num_misses", 0))
+        self.evictions.add_metric([model], stats.get("num_evictions", 0))
+        disk = stats.get("disk")
+        if disk is None:
+            return
+        self.num_disk += 1
+        self.disk_bytes.add_metric([model], disk["num_bytes"])
+        self.disk_entries.add_metric([model], disk["num_entries"])
+        for key, family in self.disk.items():
+            family.add_metric([model], disk[f"num_{key}"])
+
+    def families(self) -> list[Metric]:
+        """The families, the disk tier's only where some model has one."""
+        disk = [self.disk_bytes, self.disk_entries, *self.disk.values()] if self.num_disk else []
+        return [self.bytes, self.hits, self.misses, self.evictions, *disk]
