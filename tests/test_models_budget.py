@@ -49,13 +49,34 @@ def test_the_ledger_grants_claims_within_the_budget_beside_every_loaded_model_s_
     assert share_a.claim(400)  # less than it holds: never refused
     assert share_b.claim(300)
     assert not share_a.claim(401)
-    share_a.settle(0)  # its rows ended
+    assert share_a.claim(0)  # its rows ended and nothing of it waits any more
     assert share_b.claim(700) and not share_b.claim(701)
     assert share_a.fits_alone(700) and not share_a.fits_alone(701)  # beside the weights alone
     ledger.forget("b")  # unloaded: b reserves nothing (its weights still count while it holds memory)
     assert ledger.num_reserved_bytes() == 0
     b.holds_memory = False
     assert share_a.claim(900) and not share_a.claim(901)
+
+
+def test_the_ledger_serves_waiting_models_first_come_first_served():
+    ledger, now = KVLedger(1000, [Slot(0)]), [0.0]
+    ledger.clock = lambda: now[0]
+    a, b, c = ledger.share("a"), ledger.share("b"), ledger.share("c")
+    assert a.claim(600)
+    assert not b.claim(600)  # b waits from t=0
+    now[0] = 0.5
+    assert not a.claim(700)  # a's rows would take what b waits for: refused although 700 fit beside b's 0
+    a.settle(300)  # a's rows end
+    assert not c.claim(200)  # c came later: b's 600 first (300 + 600 + 200 > 1000)
+    assert b.claim(600) and ledger.reserved == {"a": 300, "b": 600}
+    assert c.claim(100)  # b no longer waits; c (waiting since t=0.5) fits
+    c.settle(0)
+    assert not c.claim(200)  # 900 held: c waits again, from now
+    now[0] = 1.0
+    assert not b.claim(700)  # b asks later than c waits: it leaves c's 200 (it would not fit anyway)
+    now[0] = 4.0  # c gave up (its request ended) more than WAITER_TTL_S ago: it holds nobody back
+    a.settle(0)
+    assert b.claim(700)
 
 
 def test_the_scheduler_keeps_a_row_the_shared_budget_refuses_waiting_until_room_is_settled():
