@@ -61,7 +61,8 @@ def test_a_restarted_daemon_answers_from_disk(tiny_model_dir, tmp_path):
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
     disk = status["prefix_disk"]
     assert disk["num_hits"] == 1 and disk["num_errors"] == 0 and disk["num_bytes_read"] >= files[0].stat().st_size
-    assert "mlxd_prefix_disk_hits_total 1.0" in metrics and "mlxd_prefix_disk_errors_total 0.0" in metrics
+    assert 'mlxd_prefix_disk_hits_total{model="tiny"} 1.0' in metrics
+    assert 'mlxd_prefix_disk_errors_total{model="tiny"} 0.0' in metrics
 
 
 # ---- an engine on the tiny model, for the files' failure modes ----
