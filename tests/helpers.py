@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -146,3 +147,20 @@ def streamed_text(frames: list[Any]) -> str:
             for choice in frame.get("choices", []):
                 out.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
     return "".join(out)
+
+
+def run_request(engine: Any, request: Any) -> tuple[list[int], Any]:
+    """Submit ``request`` to an engine and return its tokens and its ``Finished`` event (a ``Failed`` one fails)."""
+    from mlxd.engine.base import Failed, Finished, Token
+
+    async def go() -> tuple[list[int], Any]:
+        handle = engine.submit(request)
+        tokens = []
+        async for event in handle.events():
+            if isinstance(event, Token):
+                tokens.append(event.token)
+            elif isinstance(event, Finished | Failed):
+                assert isinstance(event, Finished), event
+                return tokens, event
+        raise AssertionError("the stream ended without a final event")
+    return asyncio.run(go())

@@ -14,21 +14,9 @@ from structlog.testing import capture_logs
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, Token
 from mlxd.engine.engine import BatchedEngine
+from tests.helpers import run_request as run
 
 PROMPT = "A long agent prompt about parsers, checkers and the tests that keep them honest. " * 4
-
-
-def run(engine: BatchedEngine, request: EngineRequest) -> tuple[list[int], Finished]:
-    async def go():
-        handle = engine.submit(request)
-        tokens = []
-        async for event in handle.events():
-            if isinstance(event, Token):
-                tokens.append(event.token)
-            elif isinstance(event, Finished | Failed):
-                assert isinstance(event, Finished), event
-                return tokens, event
-    return asyncio.run(go())
 
 
 def ask(request_id: str, prompt: list[int]) -> EngineRequest:

@@ -3,7 +3,6 @@ or foreign file is a miss, a log line and a correct answer; the folder stays wit
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from pathlib import Path
@@ -16,10 +15,10 @@ from mlx_lm import load
 
 from mlxd.config import load_config
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+from mlxd.engine.base import EngineRequest, Finished
 from mlxd.engine.engine import BatchedEngine
 from mlxd.errors import ConfigError
-from tests.helpers import free_port, serve_subprocess, write_config
+from tests.helpers import free_port, run_request, serve_subprocess, write_config
 from tests.support.tiny import tiny_model_cached
 
 SYSTEM = "You are a coding agent. " + "Read the files before editing them, and run the tests after each change. " * 14
@@ -73,17 +72,8 @@ def llama(tiny_model_dir):
 
 
 def run(engine: BatchedEngine, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], Finished]:
-    async def go():
-        handle = engine.submit(EngineRequest(request_id=f"r{id(prompt)}-{len(prompt)}", prompt=prompt,
+    return run_request(engine, EngineRequest(request_id=f"r{id(prompt)}-{len(prompt)}", prompt=prompt,
                                              max_tokens=max_tokens))
-        tokens = []
-        async for event in handle.events():
-            if isinstance(event, Token):
-                tokens.append(event.token)
-            elif isinstance(event, Finished | Failed):
-                assert isinstance(event, Finished), event
-                return tokens, event
-    return asyncio.run(go())
 
 
 def started(model, folder: Path, **settings) -> BatchedEngine:

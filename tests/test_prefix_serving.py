@@ -10,9 +10,10 @@ import pytest
 from mlx_lm import load
 
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token
+from mlxd.engine.base import EngineRequest, Progress
 from mlxd.engine.engine import BatchedEngine
 from tests.helpers import app_client, write_config
+from tests.helpers import run_request as run
 from tests.test_batched_engine import CountingModel, solo_tokens
 
 SYSTEM = "You are a coding agent. " + "Follow the repository's rules, read files before editing them. " * 12
@@ -69,19 +70,6 @@ def test_a_resent_prompt_and_an_edited_history_equal_cold_runs(tiny_model_dir, t
         warm = chat(client, edited)
         assert 0 < warm["usage"]["prompt_tokens_details"]["cached_tokens"] < warm["usage"]["prompt_tokens"]
         assert warm["choices"] == cold(client, edited)["choices"]
-
-
-def run(engine: BatchedEngine, request: EngineRequest) -> tuple[list[int], Finished]:
-    async def go():
-        handle = engine.submit(request)
-        tokens = []
-        async for event in handle.events():
-            if isinstance(event, Token):
-                tokens.append(event.token)
-            elif isinstance(event, Finished | Failed):
-                assert isinstance(event, Finished), event
-                return tokens, event
-    return asyncio.run(go())
 
 
 def test_a_k_token_hit_processes_exactly_n_minus_k_prompt_tokens(tiny_model_dir):
