@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.registry import KVLedger
+from mlxd.models_budget import KVLedger
 from tests.helpers import app_client, sse_events, streamed_text
 from tests.test_models_registry import PROMPT, solo_text, two_models, weight_files
 

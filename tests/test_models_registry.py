@@ -57,7 +57,7 @@ def complete(client, model: str, prompt: str = PROMPT) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def row(tmp_path_factory, tiny_model_dir) -> int:
     """Bytes of KV one request of these tests reserves (both models share a shape): a budget must leave room
-    for one such row beside the loaded models' weights for a request to start (mlxd.registry.KVLedger)."""
+    for one such row beside the loaded models' weights for a request to start (mlxd.models_budget.KVLedger)."""
     folder = tmp_path_factory.mktemp("row")
     with app_client(write_config(folder, tiny_model_dir, model_extra="")) as (_, daemon):
         engine = daemon.engine

@@ -126,7 +126,7 @@ class StepPlan:
 
 
 class SharedKV(Protocol):
-    """A memory budget this engine shares with others (:class:`mlxd.registry.KVLedger`'s share for one model);
+    """A memory budget this engine shares with others (:class:`mlxd.models_budget.KVLedger`'s share for one model);
     thread-safe, plain Python."""
 
     def claim(self, num_bytes: int) -> bool:
