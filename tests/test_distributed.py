@@ -278,7 +278,7 @@ def test_a_lost_rank_fails_requests_and_reports_the_engine_dead(tiny_qwen3_dir, 
         assert engine.failure == failures[0]
     finally:
         channel.released.set()
-        engine._inbox.put((Stop(), None))
+        engine.engine_loop.put(Stop())
         engine._thread.join(30)
         assert not engine._thread.is_alive()
 

@@ -1,13 +1,9 @@
-"""The batching engine: continuous batching on one engine thread.
+"""The batching engine: continuous batching on one engine thread, and its event-loop side.
 
-Every MLX call happens on the engine thread. The event loop only puts commands in the inbox (accept, cancel, clear,
-end all, stop: :mod:`mlxd.engine.commands`) and reads events from each request's :class:`RequestHandle`; the
-engine thread applies the commands between steps (:meth:`EngineCore.apply`, :mod:`mlxd.engine.core`), so a
-cancelled request leaves the batch within one prompt chunk or one decode step.
-
-The loop reads: apply pending commands → plan the step (the scheduler's plan, itself a command) → run it →
-post-process (emit tokens, finish requests, free their rows). A distributed leader records every command applied
-and sends them to the other ranks before each step (:mod:`mlxd.engine.distributed`).
+Every MLX call happens on the engine thread, which runs :class:`mlxd.engine.loop.EngineLoop` over the engine's core
+(:mod:`mlxd.engine.core`). The event loop only queues commands for it (:meth:`BatchedEngine.submit`, ``cancel``,
+``abort_all``, the prefix cache's ``clear`` and ``shrink``) and reads events from each request's
+:class:`RequestHandle`; this module starts and stops the thread and answers status and memory questions.
 
 A failure ends only the requests it must, with ``Failed`` and one ``request_failed`` log line each: the one request
 whose row could not be built, whose prompt chunk or sampler raised (a group of prompts processed together is retried
@@ -15,19 +11,14 @@ one by one); every decoding request when the shared decode step breaks. The loop
 and the decode batch reset. Should the thread end anyway, :attr:`BatchedEngine.failure` says why, every request ends
 with a 503 ``Failed``, :meth:`BatchedEngine.submit` refuses, and ``on_failure`` is called.
 """
-
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
-
-import mlx.core as mx
 
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, RequestHandle, SamplingParams
@@ -35,7 +26,6 @@ from mlxd.engine.commands import (
     Accept,
     Cancel,
     Clear,
-    Command,
     EndAll,
     Evict,
     ImagesEncoded,
@@ -44,10 +34,12 @@ from mlxd.engine.commands import (
 )
 from mlxd.engine.core import EngineCore, Group
 from mlxd.engine.drafters.base import Drafter
+from mlxd.engine.loop import EngineLoop
 from mlxd.engine.prefix import PromptReuse
 from mlxd.engine.requests import Submitted
-from mlxd.engine.schedule.memory import MemoryBudget, memory_status, require_fits
+from mlxd.engine.schedule.memory import MemoryBudget, require_fits
 from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, SharedKV
+from mlxd.engine.status import engine_status
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.engine.step.steptimes import StepTimes
 from mlxd.engine.step.vision import VisionPrefill
@@ -59,12 +51,6 @@ if TYPE_CHECKING:
     from mlxd.engine.distributed.leader import Leader
 
 log = get_logger("mlxd.engine")
-
-Reply = tuple[asyncio.AbstractEventLoop, asyncio.Future]  # where a command's result goes (clear_prefix_cache)
-
-# While the head of its queue waits for room that other models' rows hold (a shared budget) and nothing of its own
-# runs, the engine looks again this often, taking commands in between.
-SHARED_ROOM_POLL_S = 0.01
 
 
 class BatchedEngine:
@@ -88,11 +74,12 @@ class BatchedEngine:
         self.drafter = drafter
         # Images are encoded on a thread of their own while the engine steps (not in a distributed group, whose
         # ranks must run the same work in the same step).
-        deliver = ((lambda encoded: self._inbox.put((ImagesEncoded(encoded), None)))
+        deliver = ((lambda encoded: self.engine_loop.put(ImagesEncoded(encoded)))
                    if config.vision_encoder_thread else None)
         self.core = EngineCore(model, config, make_sampler=make_sampler, drafter=drafter, channel=channel,
                                deliver=deliver, record=leader.record if leader is not None else None)
         self.leader = leader
+        self.engine_loop = EngineLoop(self.core, held=held, leader=leader)
         # A memory budget shared with other models' engines (mlxd.registry): admission claims each row from it too.
         self.core.scheduler.shared = kv_share
         # Why the engine thread ended, when it did not end by stop(); on_failure(reason) is called then, on the
@@ -100,7 +87,6 @@ class BatchedEngine:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self._stopping = False
-        self._inbox: queue.SimpleQueue[tuple[Command | ImagesEncoded, Reply | None]] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlxd-engine", daemon=True)
@@ -164,7 +150,7 @@ class BatchedEngine:
             return  # the engine thread may be blocked inside a collective for good: do not wait for it
         with self.core.table.lock:
             self._stopping = True
-        self._inbox.put((Stop(), None))
+        self.engine_loop.put(Stop())
         self._thread.join(timeout=30)
         cache = self.reuse.cache
         if cache is not None and self.failure is None and not self._thread.is_alive():
@@ -174,7 +160,7 @@ class BatchedEngine:
         """End every request the engine holds (waiting, prefilling, decoding) with ``Failed(message, 503)``.
 
         Thread-safe: applied on the engine thread, between steps. Requests submitted later are served."""
-        self._inbox.put((EndAll(message), None))
+        self.engine_loop.put(EndAll(message))
 
     @property
     def num_active(self) -> int:
@@ -205,7 +191,7 @@ class BatchedEngine:
                     "(the most allowed); retry shortly", retry_after=self.retry_after_s(),
                 )
             self.core.table.pending[request.request_id] = submitted
-        self._inbox.put((Accept(RequestSpec.of(request)), None))
+        self.engine_loop.put(Accept(RequestSpec.of(request)))
         return submitted.handle
 
     def _require_shared_room(self, num_kv_bytes: int) -> None:
@@ -218,7 +204,7 @@ class BatchedEngine:
                            "is unloaded, or lower max_tokens", retry_after=max(5.0, self.retry_after_s()))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        self._inbox.put((Cancel(request_id, reason), None))
+        self.engine_loop.put(Cancel(request_id, reason))
 
     def cache_stats(self) -> dict[str, Any]:
         """Prefix-cache counters (thread-safe: the cache takes its own lock)."""
@@ -238,59 +224,23 @@ class BatchedEngine:
         between steps): room for another model under a budget they share (:mod:`mlxd.registry`)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put((Evict(max(0, num_bytes)), (loop, future)))
+        self.engine_loop.put(Evict(max(0, num_bytes)), (loop, future))
         await future
 
     async def clear_prefix_cache(self) -> dict[str, Any]:
         """Drop every prefix-cache entry on the engine thread, between steps; returns the stats before."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put((Clear(), (loop, future)))
+        self.engine_loop.put(Clear(), (loop, future))
         return await future
 
     def status(self, prompts: bool = False) -> dict[str, Any]:
-        """Requests, limits, totals, step times and memory, for ``GET /v1/status``. Rendered prompts (clipped) are
-        shown only when ``prompts`` asks for them."""
-        with self.core.table.lock:
-            pending = [s.state for s in self.core.table.pending.values()]
-            running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
-        drafter, vision = self.drafter, self.core.runner.vision
-        return {
-            **({"vision": vision.status()} if vision is not None else {}),
-            "running": [s.snapshot(prompts) for s in running],
-            "waiting": [s.snapshot(prompts) for s in [*waiting, *pending]],
-            "limits": {
-                "max_running": self.config.max_running,
-                "max_running_source": self.core.running_limit.source,
-                "max_waiting": self.config.max_waiting,
-                "step_token_budget": self.config.step_token_budget,
-            },
-            "totals": dict(self.totals),
-            "speculative": speculative_status(self.totals, drafter.name if drafter is not None else None),
-            "step_ms": self.step_times.status(), "num_steps": self.step_times.num_steps,
-            "memory": {
-                "active_bytes": mx.get_active_memory(),
-                "peak_bytes": mx.get_peak_memory(),
-                "cache_bytes": mx.get_cache_memory(),
-                # Admission: the limit, the weights' share, what requests reserve, what the prefix cache holds.
-                **(memory_status(self.memory, self.scheduler.num_reserved_bytes, self.reuse.num_bytes)
-                   if self.memory is not None else {}),
-            },
-            **({"distributed": self.leader.status()} if self.leader is not None else {}),
-            **({"prefix_disk": disk} if (disk := self.reuse.stats().get("disk")) is not None else {}),
-        }
+        """Requests, limits, totals, step times and memory, for ``GET /v1/status``
+        (:func:`mlxd.engine.status.engine_status`). Rendered prompts (clipped) are shown only when ``prompts`` asks
+        for them."""
+        return engine_status(self, prompts)
 
     # ---- the engine thread ----
-
-    def step(self) -> None:
-        """One engine step: plan (the scheduler) → run the plan → post-process (each phase timed)."""
-        with self.held():
-            self.step_times.start()
-            plan = self.core.plan()
-            self.step_times.lap("schedule")
-            self.core.apply(plan)
-        if self.leader is not None:
-            self.leader.stepped()
 
     def _run(self) -> None:
         vision = self.core.runner.vision
@@ -309,74 +259,15 @@ class BatchedEngine:
 
     def _serve(self) -> None:
         try:
-            self.core.warm_up()
-            if self.leader is not None:
-                self.leader.ready()  # every rank is up and warm before /health turns 200
+            self.engine_loop.warm_up()
         except Exception as e:  # noqa: BLE001 - handed to start(), which re-raises it
             self._startup_error = e
         self._ready.set()
         if self._startup_error is not None:
             return
-        try:
-            # Blocking on the inbox only while idle, the queue-wait check runs every iteration it matters in.
-            wait_s = None
-            while self._apply_inbox(block=not self.scheduler.has_work, wait_s=wait_s):
-                self.core.expire_waiting()
-                wait_s = self._shared_wait_s()
-                if self.scheduler.has_work and wait_s is None:
-                    self.step()
-                else:
-                    self._idle()
-                self.core.table.send()
-        finally:
-            self.core.table.send()
+        self.engine_loop.serve()
         if self.leader is not None and self.failure is None:
             self.leader.stopped()
-
-    def _shared_wait_s(self) -> float | None:
-        """:data:`SHARED_ROOM_POLL_S` while nothing of this engine runs and its head waits for room in a budget
-        shared with other models (else None): the loop waits for commands that long instead of stepping in vain."""
-        scheduler, head = self.scheduler, self.scheduler.head
-        if scheduler.shared is None or scheduler.running or head is None:
-            return None
-        return None if scheduler.shared.claim(scheduler.num_reserved_bytes_with(head)) else SHARED_ROOM_POLL_S
-
-    def _apply_inbox(self, block: bool, wait_s: float | None = None) -> bool:
-        """Apply queued commands; return False once one said stop. Blocks for at most the leader's heartbeat (else
-        until a command comes) when ``block``, for at most ``wait_s`` when that is given.
-
-        A request that wakes the idle engine waits for the requests arriving with it: commands are taken until
-        none has come for ``gather_ms`` (at most ten times that in all), so that a burst of requests starts in one
-        prompt pass instead of the first alone and the rest a step later."""
-        gather_s = self.config.gather_ms / 1000
-        idle_wait_s = self.leader.heartbeat_s if self.leader is not None else None
-        if wait_s is not None:
-            block, idle_wait_s = True, wait_s
-        deadline = None
-        while True:
-            try:
-                command, reply = self._inbox.get(block=block or deadline is not None,
-                                                 timeout=idle_wait_s if block else _left(deadline, gather_s))
-            except queue.Empty:
-                if self.core.runner.vision is not None:
-                    self.core.runner.vision.flush()  # the images of the requests just taken on, as one job
-                return True
-            if block and isinstance(command, Accept) and gather_s > 0:
-                deadline = time.monotonic() + 10 * gather_s
-            block = False
-            if isinstance(command, Accept) and not self.core.table.is_pending(command.spec.request_id):
-                continue  # ended before it got here (abort_all)
-            result = self.core.apply(command)
-            if reply is not None:
-                loop, future = reply
-                loop.call_soon_threadsafe(future.set_result, result)
-            if isinstance(command, Stop):
-                return False
-
-    def _idle(self) -> None:
-        if self.leader is not None:
-            self.leader.idle()
-        mx.clear_cache()  # idle: give the freed buffers back
 
     def _die(self, error: BaseException) -> None:
         """The engine thread ends on an error: record why, end every request, refuse new ones, tell the owner."""
@@ -401,18 +292,3 @@ class BatchedEngine:
             except Exception:  # noqa: BLE001 - the engine is gone either way; the owner's error is logged
                 log.exception("engine_on_failure_failed")
 
-
-def speculative_status(totals: dict[str, Any], drafter: str | None) -> dict[str, Any]:
-    """The drafter, and what speculative requests that ended got from it."""
-    drafted, steps = totals["speculative_drafted"], totals["speculative_steps"]
-    return {
-        "drafter": drafter,
-        "acceptance": round(totals["speculative_accepted"] / drafted, 3) if drafted else None,
-        "tokens_per_step": round(totals["speculative_emitted"] / steps, 2) if steps else None,
-        "drafter_ms": round(totals["speculative_drafter_ms"], 1),
-    }
-
-
-def _left(deadline: float | None, gap_s: float) -> float | None:
-    """How long to wait for the next command while gathering a burst (None when not gathering)."""
-    return None if deadline is None else max(0.0, min(gap_s, deadline - time.monotonic()))
