@@ -4,7 +4,10 @@
 - the scheduler (:mod:`mlxd.engine.schedule.scheduler`): waiting and running requests, prompt passes;
 - memory admission (:mod:`mlxd.engine.schedule.memory`): what requests and the prefix cache may hold;
 - prefix reuse (:mod:`mlxd.engine.prefix`): lookup, keep and evict over the prefix cache;
-- the step runner (:mod:`mlxd.engine.step.runner`): the decode batch, prompt passes and vision prefill (MLX).
+- the step runner (:mod:`mlxd.engine.step.runner`): the decode batch, prompt passes and vision prefill (MLX);
+- failures (:mod:`mlxd.engine.failures`): how a request that fails or waits too long ends.
+
+The limits resolved at warm-up (the memory budget, ``max_running``) are :mod:`mlxd.engine.limits`'s.
 
 No thread of its own: :class:`mlxd.engine.engine.BatchedEngine` runs it on the engine thread, a distributed
 follower in its loop, a test straight from a list of commands. Decisions that only one place makes (which
@@ -14,12 +17,10 @@ the core that *serves* (``follower`` off) and applied as commands, so that whoev
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
-import msgspec
 
 from mlxd.cache.disk import make_disk_tier
 from mlxd.cache.prefix_cache import Hit
@@ -40,27 +41,18 @@ from mlxd.engine.commands import (
     Stop,
 )
 from mlxd.engine.drafters.base import Drafter
+from mlxd.engine.failures import Failures
+from mlxd.engine.limits import log_memory_budget, resolve_max_running
 from mlxd.engine.prefix import PromptReuse, is_trimmable
 from mlxd.engine.requests import RequestTable, Submitted
-from mlxd.engine.schedule.memory import (
-    MAX_DERIVED_RUNNING,
-    MAX_DERIVED_RUNNING_GPU,
-    MemoryBudget,
-    RunningLimit,
-    derive_max_running,
-    max_pass_tokens,
-    measure_memory,
-)
+from mlxd.engine.schedule.memory import MemoryBudget, RunningLimit, max_pass_tokens, measure_memory
 from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, prompts_to_batch
-from mlxd.engine.step.row import Refused, make_request_cache, reset_random_state
+from mlxd.engine.step.row import Refused, make_request_cache
 from mlxd.engine.step.runner import StepRunner
 from mlxd.engine.step.steptimes import StepTimes
 from mlxd.engine.step.vision import VisionPrefill, prompt_key
-from mlxd.errors import DistributedFault
-from mlxd.log import get_logger
 from mlxd.runtime.progress import phase
 
-log = get_logger("mlxd.engine")
 
 class Group(Protocol):
     """What the core needs of a distributed group (:class:`mlxd.engine.distributed.channel.Channel`): this rank's
@@ -69,15 +61,6 @@ class Group(Protocol):
     rank: int
 
     def share_tokens(self, tokens: mx.array) -> mx.array: ...
-
-
-# What a failed request is told, by phase; the exception itself goes to the log only.
-_FAILED = {
-    "build": "the engine could not set up this request",
-    "prefill": "the engine failed while processing the prompt",
-    "sample": "the engine failed while sampling the next token",
-    "decode": "the engine failed while generating",
-}
 
 
 class EngineCore:
@@ -107,8 +90,8 @@ class EngineCore:
                                  trimmable=is_trimmable(make_request_cache(model, config.max_kv_size)),
                                  vision=vision)
         self.step_times = StepTimes()
-        # The prefix-cache entry each request that hit started from (dropped if running from it fails).
-        self._hit_entries: dict[str, tuple[int, ...]] = {}
+        self.failures = Failures(self.table, self.reuse, self.runner, apply=self.apply,
+                                 rank=channel.rank if channel is not None else None)
         self._record = record
         self._channel = channel
         self._follower = follower
@@ -143,39 +126,17 @@ class EngineCore:
         self.scheduler.max_pass_tokens = (max_pass_tokens(self.memory, self.config.step_token_budget)
                                           if self.runner.trimmable else 0)
         mx.set_cache_limit(self.memory.cache_limit_bytes)
-        log.info("memory_budget", limit_bytes=self.memory.limit_bytes, weights_bytes=self.memory.weights_bytes,
-                 kv_bytes_per_token=self.memory.kv.num_bytes_per_token_total,
-                 kv_fixed_bytes=self.memory.kv.num_fixed_bytes, cache_limit_bytes=self.memory.cache_limit_bytes,
-                 pass_bytes_per_token=self.memory.pass_bytes_per_token,
-                 max_pass_tokens=self.scheduler.max_pass_tokens)
-        self._set_max_running()
+        log_memory_budget(self.memory, self.scheduler.max_pass_tokens)
+        # max_running as set, or derived from the memory budget: the config then holds the number (warm-up meets
+        # batches up to it).
+        self.running_limit, self.config = resolve_max_running(self.config, self.memory)
+        self.runner.config = self.config
+        self.scheduler.max_running = self.running_limit.max_running
         with phase("warm_up", max_running=self.config.max_running):
             self.runner.warm_up()
         buckets = self.runner.batch.buckets
         if buckets is not None and buckets.decode:  # the decode batch pads its rows to a bucket: admission counts it
             self.scheduler.row_width = buckets.width
-
-    def _set_max_running(self) -> None:
-        """``[engine] max_running`` as set, or (0) derived from the memory budget; logged with where it came from.
-        The engine's config then holds the number (warm-up meets batches up to it)."""
-        config = self.config
-        if config.max_running:
-            self.running_limit = RunningLimit(config.max_running, "config")
-        else:
-            self.running_limit = derive_max_running(self.memory, prefix_cache_bytes=config.prefix_cache_bytes,
-                                                    max_kv_size=config.max_kv_size, cap=self._derived_cap())
-            self.config = msgspec.structs.replace(config, max_running=self.running_limit.max_running)
-            self.runner.config = self.config
-        self.scheduler.max_running = self.running_limit.max_running
-        limit = self.running_limit
-        log.info("max_running", max_running=limit.max_running, source=limit.source,
-                 **({"context_tokens": limit.context_tokens, "row_bytes": limit.row_bytes,
-                     "room_bytes": limit.room_bytes, "prefix_cache_bytes": config.prefix_cache_bytes,
-                     "max_derived": self._derived_cap()} if limit.source == "derived" else {}))
-
-    @staticmethod
-    def _derived_cap() -> int:
-        return MAX_DERIVED_RUNNING if mx.default_device() == mx.cpu else MAX_DERIVED_RUNNING_GPU
 
     # ---- what the serving core decides ----
 
@@ -200,56 +161,13 @@ class EngineCore:
         self.scheduler.kv_budget_bytes = budget - self.reuse.num_bytes
 
     def fail(self, request_id: str, phase: str, error: Exception) -> None:
-        """End one request with ``Failed`` (500, a client-safe message); the error itself goes to the log. A
-        prompt that failed while running from a prefix-cache hit runs again from its start first
-        (:meth:`_retry_cold`)."""
-        if self._retry_cold(request_id, phase, error):
-            return
-        if self._channel is not None and not isinstance(error, Refused):  # only this rank saw it
-            raise DistributedFault(f"rank {self._channel.rank}: a request failed in the {phase} phase "
-                                   f"({type(error).__name__}: {error}); the other ranks cannot follow") from error
-        reset_random_state()  # a failed graph can leave it unusable for every later sampled request
-        submitted = self.apply(Drop(request_id))
-        if submitted is None:
-            return  # ended already
-        log.error("request_failed", request_id=request_id, phase=phase, error_type=type(error).__name__,
-                  error=str(error))
-        self.table.post_failed(submitted, str(error) if isinstance(error, Refused) else _FAILED[phase], 500,
-                               "num_failed")
-
-    def _retry_cold(self, request_id: str, phase: str, error: Exception) -> bool:
-        """Run a prompt that failed while running from a prefix-cache hit again from its start, without the hit:
-        the entry it started from is dropped (its state may be what failed) and the request stays queued as a
-        miss. Once: a second failure has no hit to blame. Not in a distributed group (the other ranks cannot
-        follow) and not for a refusal (the request is at fault, not the state). Returns whether it retries."""
-        submitted = self.table.get(request_id)
-        if (submitted is None or phase != "prefill" or self._channel is not None or isinstance(error, Refused)
-                or not submitted.state.num_cached_tokens):
-            return False
-        state, entry = submitted.state, self._hit_entries.pop(request_id, ())
-        dropped = self.reuse.drop_entry(entry)
-        log.warning("prefix_entry_failed", request_id=request_id, num_cached_tokens=state.num_cached_tokens,
-                    cache_hit=state.cache_hit, num_entry_tokens=len(entry), entry_dropped=dropped,
-                    error_type=type(error).__name__,
-                    error=str(error), action="retrying from the start without the entry")
-        reset_random_state()
-        self.runner.prefilling.pop(request_id, None)
-        state.num_prefilled = state.num_cached_tokens = 0
-        state.cache_hit = "miss"
-        return True
+        """End one request that failed in ``phase`` (:meth:`mlxd.engine.failures.Failures.fail`: retried cold once
+        when it started from a prefix-cache hit, else ``Failed``, 500)."""
+        self.failures.fail(request_id, phase, error)
 
     def expire_waiting(self) -> None:
         """End the requests that have waited in the queue longer than ``max_queue_wait_s`` (503)."""
-        limit, waiting, now = self.config.max_queue_wait_s, self.scheduler.waiting, time.monotonic()
-        if not limit or not waiting or now - waiting[0].submitted_at <= limit:  # the head waited longest
-            return
-        for state in [s for s in waiting if now - s.submitted_at > limit]:
-            submitted = self.apply(Drop(state.request_id))
-            if submitted is not None:
-                log.warning("request_timed_out", request_id=state.request_id,
-                            waited_s=round(now - state.submitted_at, 3))
-                self.table.post_failed(submitted, f"the request waited more than {limit:g} s in the queue for a "
-                                       "free slot; retry later", 503, "num_timed_out")
+        self.failures.expire_waiting(self.scheduler.waiting, self.config.max_queue_wait_s)
 
     def end_all(self, message: str) -> None:
         """End every request, pending ones included, with ``Failed(message, 503)``. Touches no MLX state: the
@@ -304,7 +222,7 @@ class EngineCore:
         state.cache_hit, state.num_cached_tokens = hit.kind, hit.num_cached
         if hit.cache is None:
             return
-        self._hit_entries[submitted.request.request_id] = hit.entry
+        self.failures.started_from(submitted.request.request_id, hit.entry)
         state.num_prefilled = hit.num_cached
         if state.encoding:  # the row merges the images' features: it is built once they are in
             submitted.start_cache = hit.cache
@@ -330,7 +248,7 @@ class EngineCore:
 
     def _drop(self, command: Drop) -> Submitted | None:
         """Forget a request everywhere: its row, the scheduler's queues, the request table."""
-        self._hit_entries.pop(command.request_id, None)
+        self.failures.forget(command.request_id)
         self.runner.forget(command.request_id)
         self.scheduler.remove(command.request_id)
         return self.table.pop(command.request_id)
