@@ -7,8 +7,41 @@ meets them beforehand, through the same functions serving calls (:mod:`mlxd.engi
 shape, bf16), the first 8-stream pass after ``/health`` turned 200 ran at 0.20x the aggregate tokens/s of the next
 pass when warm-up covered only decode batches of powers of two and one prompt chunk; 1.04x with this warm-up
 (``benchmarks/load.py``, "first pass after ready").
-"""
 
+What :func:`warm_up_shapes` warms with every shape, in this order (each part's seconds logged as ``warm_up_part``).
+The widths warmed, ``W``: with buckets (what serving pads batches to, :mod:`mlxd.engine.step.buckets`), their
+widths, 1, 2, 4, 8, 16, 24, ... ``n = max_running``; without, every width 1..n.
+
+- ``join``: prompt chunks, a full ``prefill_chunk``, then a partial last chunk continuing it (attention over cached
+  positions, and the first token sampled); then decode batches at every width of ``W``, reached by rows joining
+  (``add``: the lone row's cache merged at 2, ``extend`` beyond, then padded to the bucket; with buckets, the rows
+  that take the batch to its next width join as one group when they are several), with ``warmup_tokens`` steps at
+  each width;
+- ``leave``: rows leaving so that the batch passes through every width of ``W`` (``filter``, then ``extract`` back
+  to a lone row), and a row's cache taken out of the batch (``row_cache``), as the prefix cache does when a request
+  ends;
+- ``groups``: whole prompts processed together (:func:`process_prompts`), groups at every width of ``W`` above 1 and
+  each length of :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch,
+  and, at the shortest length and below n, a batch of one row (``extend``), with a decode step each (which grows the
+  batched cache), then leaving;
+- ``continuations``: the rests of prompts that start from cached states, processed together
+  (:func:`process_continuations`), groups at every width of ``W`` above 1, each with one decode step.
+
+With buckets, serving then meets no decode width and no group width that warm-up did not (groups at the lengths
+warmed: multiples of 16 up to 64 on GPU backends). Not warmed: groups of longer prompts, a lone prompt's own length
+and a last chunk's, samplers other than greedy (mlx-lm compiles them per temperature and filter value), logits
+processors, speculative steps (:func:`warm_up_verify`) and vision rows.
+
+The cost with buckets (:func:`count_passes` counts any case), for ``m = len(W)`` (at least 3), ``L`` group lengths
+(4, fewer when ``prefill_chunk`` is below 64) and ``T = warmup_tokens``: ``L (m - 1) + 3m + 1`` prompt passes,
+``L (m - 1) + 3m - 5`` of them groups, and ``T m + (L + 2)(m - 1) - 1`` decode steps; about ``176 * sum(W)`` prompt
+tokens. At n = 128: m = 19, 130 prompt passes (124 groups), ``19 T + 107`` decode steps, about 190,000 prompt
+tokens, where warming every width took ``9n - 11`` = 1,141 passes, ``n T + 16n - 24`` = 2,536 steps at T = 4 and
+``160 n^2`` = 2.6 million prompt tokens. Every width at n = 16 measured 21-24 s on an H100 (Qwen3-8B shape, kernels
+compiled by an earlier process; 51-52 s in the first), 202 s at 64 on an H200; the buckets of 128 (with two decode
+steps after each group and rows joining one at a time) 69.9 s on an H200 with an empty kernel cache, 51.1 s with
+kernels compiled.
+"""
 from __future__ import annotations
 
 import itertools
@@ -49,50 +82,16 @@ _SHORT_PROMPT = [1, 2, 3, 4]
 
 def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = None,
                    buckets: Buckets | None = None) -> None:
-    """Run the shapes serving uses, with greedy rows on the calling thread's stream, and leave nothing behind:
-    MLX's buffer cache is cleared after each phase and each group width, since buffers of one width's shapes are not
-    reused by the next (on an H100 with a Qwen3-8B shape the groups left 44 GB cached, and a server sharing the
-    GPU with another ran out of memory in its warm-up).
+    """Run the shapes serving uses (the module's docstring lists them, in order, and what they cost), with greedy
+    rows on the calling thread's stream, and leave nothing behind: MLX's buffer cache is cleared after each phase
+    and each group width, since buffers of one width's shapes are not reused by the next (on an H100 with a
+    Qwen3-8B shape the groups left 44 GB cached, and a server sharing the GPU with another ran out of memory in its
+    warm-up).
 
     ``every_shape`` (default: on GPU backends, which build kernels per shape, and wherever ``buckets`` are given;
     not on the CPU otherwise, where nothing is built per shape and the full set costs minutes with a real model):
-    warm everything below. Otherwise a prompt chunk
-    and decode batches of powers of two (and ``max_running``) only: enough to fail at start-up, not in a request.
-
-    The widths warmed, ``W``: with ``buckets`` (what serving pads batches to, :mod:`mlxd.engine.step.buckets`),
-    its widths, 1, 2, 4, 8, 16, 24, ... ``n = config.max_running``; without, every width 1..n. Warmed:
-
-    - prompt chunks: a full ``prefill_chunk``, then a partial last chunk continuing it (attention over cached
-      positions, and the first token sampled);
-    - decode batches at every width of ``W``, reached by rows joining (``add``: the lone row's cache merged at 2,
-      ``extend`` beyond, then padded to the bucket; with buckets, the rows that take the batch to its next width
-      join as one group when they are several), with ``warmup_tokens`` steps at each width;
-    - rows leaving so that the batch passes through every width of ``W`` (``filter``, then ``extract`` back to a
-      lone row), and a row's cache taken out of the batch (``row_cache``), as the prefix cache does when a request
-      ends;
-    - whole prompts processed together (:func:`process_prompts`), groups at every width of ``W`` above 1 and each
-      length of :data:`GROUP_PROMPT_LENGTHS` (rows a token apart, so they are left-padded), joining an empty batch,
-      and, at the shortest length and below n, a batch of one row (``extend``), with a decode step each (which
-      grows the batched cache), then leaving;
-    - the rests of prompts that start from cached states, processed together (:func:`process_continuations`),
-      groups at every width of ``W`` above 1, each with one decode step.
-
-    With buckets, serving then meets no decode width and no group width that warm-up did not (groups at the
-    lengths warmed: multiples of 16 up to 64 on GPU backends). Not warmed: groups of longer prompts, a lone
-    prompt's own length and a last chunk's, samplers other than greedy (mlx-lm compiles them per temperature and
-    filter value), logits processors, speculative steps (:func:`warm_up_verify`) and vision rows.
-
-    The cost with buckets (:func:`count_passes` counts any case), for ``m = len(W)`` (at least 3), ``L`` group
-    lengths (4, fewer when ``prefill_chunk`` is below 64) and ``T = warmup_tokens``: ``L (m - 1) + 3m + 1`` prompt
-    passes, ``L (m - 1) + 3m - 5`` of them groups, and ``T m + (L + 2)(m - 1) - 1`` decode steps; about
-    ``176 * sum(W)`` prompt tokens. At n = 128: m = 19, 130 prompt passes (124 groups), ``19 T + 107`` decode
-    steps, about 190,000 prompt tokens, where warming every width took ``9n - 11`` = 1,141 passes,
-    ``n T + 16n - 24`` = 2,536 steps at T = 4 and ``160 n^2`` = 2.6 million prompt tokens. Every width at n = 16
-    measured 21-24 s on an H100 (Qwen3-8B shape, kernels compiled by an earlier process; 51-52 s in the first),
-    202 s at 64 on an H200; the buckets of 128 (with two decode steps after each group and rows joining one at a
-    time) 69.9 s on an H200 with an empty kernel cache, 51.1 s with kernels compiled. Each part's seconds are
-    logged (``warm_up_part``).
-    """
+    warm everything. Otherwise a prompt chunk and decode batches of powers of two (and ``max_running``) only:
+    enough to fail at start-up, not in a request."""
     batch = DecodeBatch(model, buckets=buckets)
     if every_shape is None:
         every_shape = mx.default_device() != mx.cpu or buckets is not None
@@ -104,15 +103,27 @@ def warm_up_shapes(model: Any, config: EngineConfig, every_shape: bool | None = 
     timed.part("join")
     mx.clear_cache()
     if every_shape:
-        _leave_through(batch, widths)
-        timed.part("leave")
-        _join_in_groups(model, config, batch, widths)
-        timed.part("groups")
-        progress.step(len(widths) + 1, num_steps)
-        _continue_in_groups(model, config, widths, buckets)
-        timed.part("continuations")
-        progress.step(num_steps, num_steps)
-    mx.eval(batch.inputs)  # nothing still running on the buffers about to be freed
+        _leave_group_continue(model, config, batch, widths, buckets, timed, num_steps)
+    _release(batch)
+
+
+def _leave_group_continue(model: Any, config: EngineConfig, batch: DecodeBatch, widths: tuple[int, ...],
+                          buckets: Buckets | None, timed: _Timed, num_steps: int) -> None:
+    """The parts after joining, with every shape: rows leave, groups join and leave, continuations (each timed;
+    the start-up phase's steps ``len(widths) + 1`` and ``num_steps`` after the last two)."""
+    _leave_through(batch, widths)
+    timed.part("leave")
+    _join_in_groups(model, config, batch, widths)
+    timed.part("groups")
+    progress.step(len(widths) + 1, num_steps)
+    _continue_in_groups(model, config, widths, buckets)
+    timed.part("continuations")
+    progress.step(num_steps, num_steps)
+
+
+def _release(batch: DecodeBatch) -> None:
+    """Let the warm-up's buffers go, once nothing still runs on them."""
+    mx.eval(batch.inputs)
     batch.clear()
     mx.clear_cache()
 
@@ -129,7 +140,7 @@ def group_lengths(config: EngineConfig) -> list[int]:
 
 def count_passes(config: EngineConfig, buckets: Buckets | None) -> tuple[int, int, int]:
     """``(prompt passes, of them groups, decode steps)`` that :func:`warm_up_shapes` runs with every shape (the
-    formula of its docstring), for models whose caches can be grouped and continued together."""
+    formula of the module's docstring), for models whose caches can be grouped and continued together."""
     widths, lengths = warmed_widths(config.max_running, buckets), len(group_lengths(config))
     m = len(widths)
     gaps = [b - a for a, b in itertools.pairwise(widths)]
