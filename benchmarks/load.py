@@ -61,6 +61,9 @@ class Result:
     gap_p90_ms: float | None = None
     gap_max_ms: float | None = None
     failed: int = 0  # streams that ended before --max-tokens tokens (an error frame or a dropped connection)
+    # CPU time of the server's main thread (mlxd: the event loop) and of its whole process, per streamed token
+    loop_us_per_token: float | None = None
+    process_us_per_token: float | None = None
 
 
 # ---- prompts ----
@@ -135,20 +138,25 @@ def _median_gap(times: list[float]) -> float | None:
 
 # ---- HTTP clients (raw asyncio streams: the client must cost less than the servers it measures) ----
 
-async def stream_one(port: int, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
-    """One streaming /v1/completions request; returns (start, arrival time of each text frame, completion tokens)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+async def stream_one(port: int, model: str, prompt: str, max_tokens: int,
+                     api: str = "completions") -> tuple[float, list[float], int]:
+    """One streaming /v1/completions (or, ``api`` "chat", /v1/chat/completions) request; returns (start, arrival
+    time of each text frame, completion tokens)."""
+    request = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    request.update({"prompt": prompt} if api == "completions" else {"messages": [{"role": "user", "content": prompt}]})
+    body = json.dumps(request).encode()
     start = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    path = b"chat/completions" if api == "chat" else b"completions"
+    writer.write(b"POST /v1/%s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (path, len(body)) + body)
     times, usage = [], 0
     while line := await reader.readline():
         if not line.startswith(b"data: {"):
             continue
         frame = json.loads(line[6:])
-        if frame.get("choices") and frame["choices"][0].get("text"):
+        if frame.get("choices") and _has_text(frame["choices"][0]):
             times.append(time.perf_counter())
         if frame.get("usage"):
             usage = frame["usage"]["completion_tokens"]
@@ -156,9 +164,28 @@ async def stream_one(port: int, model: str, prompt: str, max_tokens: int) -> tup
     return start, times, usage or len(times)
 
 
-async def http_load(label: str, port: int, model: str, prompts: list[str], max_tokens: int) -> Result:
-    runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens) for p in prompts])
+def _has_text(choice: dict) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content"))
+
+
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) of process ``pid``, or of its thread ``tid`` (Linux: /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def http_load(label: str, port: int, model: str, prompts: list[str], max_tokens: int, pid: int | None = None,
+                    api: str = "completions") -> Result:
+    """``pid``: the server's process, whose main thread's CPU time (mlxd's event loop) and whole CPU time per
+    streamed token the result reports (on Linux)."""
+    measure = pid is not None and Path(f"/proc/{pid}/task/{pid}/stat").exists()
+    before = (cpu_s(pid, pid), cpu_s(pid)) if measure else None
+    runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens, api) for p in prompts])
     tokens = sum(n for _, _, n in runs)
+    per_token = [(cpu_s(pid, pid) - before[0]) * 1e6 / max(tokens, 1),
+                 (cpu_s(pid) - before[1]) * 1e6 / max(tokens, 1)] if before is not None else [None, None]
     sent = min(s for s, _, _ in runs)
     failed = sum(1 for _, t, n in runs if n < max_tokens or not t)
     if not any(t for _, t, _ in runs):
@@ -171,7 +198,7 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
                   tokens / (last - sent), statistics.median(ttfts),
                   max(t[0] for _, t, _ in runs if t) - first,
                   gaps[int(0.9 * (len(gaps) - 1))] * 1000 if gaps else None, gaps[-1] * 1000 if gaps else None,
-                  failed)
+                  failed, *per_token)
 
 
 @dataclasses.dataclass
@@ -182,11 +209,12 @@ class FirstPass:
     second: Result
 
 
-def first_passes(label: str, port: int, model: str, prompts: list[str], max_tokens: int) -> FirstPass:
+def first_passes(label: str, port: int, model: str, prompts: list[str], max_tokens: int,
+                 api: str = "completions") -> FirstPass:
     """Two passes of ``len(prompts) // 2`` streams, one after the other, each with its own half of ``prompts``."""
     n = len(prompts) // 2
-    first = asyncio.run(http_load(label, port, model, prompts[:n], max_tokens))
-    return FirstPass(first, asyncio.run(http_load(label, port, model, prompts[n:], max_tokens)))
+    first = asyncio.run(http_load(label, port, model, prompts[:n], max_tokens, api=api))
+    return FirstPass(first, asyncio.run(http_load(label, port, model, prompts[n:], max_tokens, api=api)))
 
 
 # ---- servers ----
@@ -313,14 +341,16 @@ def versions(vllm_python: str | None) -> dict[str, str]:
 
 def table(results: list[Result]) -> str:
     lines = ["| engine | streams | tokens | TTFT (s) | first tokens spread (s) | ITL median / p90 / max (ms) | "
-             "aggregate tok/s |", "|---|---|---|---|---|---|---|"]
+             "aggregate tok/s | main thread / process CPU per token (µs) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         ttft = f"{r.ttft_s:.3f}" if r.ttft_s is not None else "–"
         spread = f"{r.spread_s:.3f}" if r.spread_s is not None else "–"
         itl = " / ".join(f"{v:.2f}" for v in (r.itl_ms, r.gap_p90_ms, r.gap_max_ms) if v is not None) or "–"
         tokens = f"{r.tokens} ({r.failed} streams failed)" if r.failed else f"{r.tokens}"
+        cpu = (f"{r.loop_us_per_token:.0f} / {r.process_us_per_token:.0f}" if r.loop_us_per_token is not None
+               and r.process_us_per_token is not None else "–")
         lines.append(f"| {r.label} | {r.concurrency} | {tokens} | {ttft} | {spread} | {itl} | "
-                     f"{r.tokens_per_s:.0f} |")
+                     f"{r.tokens_per_s:.0f} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -451,6 +481,9 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=8,
                         help="tag words added to each prompt (about a token each with the random models' tokenizer: "
                              "240 gives prompts of about 256 tokens)")
+    parser.add_argument("--api", default="completions", choices=["completions", "chat"],
+                        help="the streaming endpoint the clients call: /v1/completions or /v1/chat/completions (the "
+                             "chat template, then the reasoning parser, on the way)")
     parser.add_argument("--servers", default="mlxd,mlx_lm", help="comma list: mlxd, mlx_lm, vllm_mlx")
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-mlx (for --servers ...,vllm_mlx)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
@@ -515,16 +548,16 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
         for label, command, health, env in server_specs(args, tmp, top):
             port = port_of(command)
             log_name = label.replace(" (HTTP)", "").replace(" ", "-")
-            stack.enter_context(serve(command, port, logs / f"{log_name}.log", health, env))
-            servers.append((label, port, "bench" if label.startswith("mlxd") else args.model))
+            proc = stack.enter_context(serve(command, port, logs / f"{log_name}.log", health, env))
+            servers.append((label, port, "bench" if label.startswith("mlxd") else args.model, proc.pid))
             if label.startswith("mlxd"):
-                passes.append(first_passes(label, port, "bench", prompts[top : 3 * top], args.max_tokens))
+                passes.append(first_passes(label, port, "bench", prompts[top : 3 * top], args.max_tokens, args.api))
                 print(first_pass_report(passes[-1:]), flush=True)
         fresh = iter(prompts[3 * top:])
         for level in levels:  # warm every batch shape once
             direct_batch_generator(model, tokenizer, prompts[:level], 8)
-            for label, port, name in servers:
-                asyncio.run(http_load(label, port, name, prompts[:level], 8))
+            for label, port, name, _ in servers:
+                asyncio.run(http_load(label, port, name, prompts[:level], 8, api=args.api))
         best: dict[tuple[str, int], Result] = {}
         rounds: list[list[Result]] = []
         for _ in range(args.repeats):
@@ -532,8 +565,8 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
             for level in levels:
                 batch = [next(fresh) for _ in range(level)]
                 runs.append(direct_batch_generator(model, tokenizer, batch, args.max_tokens))
-                runs += [asyncio.run(http_load(label, port, name, batch, args.max_tokens))
-                         for label, port, name in servers]
+                runs += [asyncio.run(http_load(label, port, name, batch, args.max_tokens, pid, args.api))
+                         for label, port, name, pid in servers]
             rounds.append(runs)
             for run in runs:
                 key = (run.label, run.concurrency)
