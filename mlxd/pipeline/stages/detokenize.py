@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 from mlxd.engine.base import Finished, Token
+from mlxd.pipeline.detokenizer import make_detokenizer
 from mlxd.pipeline.events import ContentDelta, Done, TokenLogprob, TokenLogprobs, TopLogprob
 from mlxd.pipeline.job import Job
 from mlxd.pipeline.stage import NoOptions, PipelineContext, Stage
@@ -30,21 +31,21 @@ class Detokenize(Stage):
 
     def warm_up(self, ctx: PipelineContext) -> None:
         self.tokenizer = ctx.tokenizer
+        self.detokenizers = make_detokenizer(ctx.tokenizer)
         self.skipped = ctx.model.special_token_ids if self.config.skip_special_tokens else frozenset()
 
     async def stream(self, job: Job, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        detokenizer = self.tokenizer.detokenizer
+        detokenizer = self.detokenizers()
         cutter = StopCutter(job.stop)
         skipped = self.skipped - job.keep_token_ids
         num_tokens = 0
         async with aclosing(events):
             async for event in events:
-                if not isinstance(event, Token | Finished):
-                    yield event
-                    continue
-                if isinstance(event, Finished):
-                    detokenizer.finalize()
-                    text, stop = cutter.feed(detokenizer.last_segment)
+                if type(event) is not Token:
+                    if not isinstance(event, Finished):
+                        yield event
+                        continue
+                    text, stop = cutter.feed(detokenizer.finish())
                     text += "" if stop else cutter.flush()
                     if text:
                         yield ContentDelta(text)
@@ -55,8 +56,7 @@ class Detokenize(Stage):
                     yield self._logprobs(event)
                 if event.token in skipped:
                     continue
-                detokenizer.add_token(event.token)
-                text, stop = cutter.feed(detokenizer.last_segment)
+                text, stop = cutter.feed(detokenizer.add(event.token))
                 if text:
                     yield ContentDelta(text)
                 if stop:
