@@ -9,9 +9,10 @@ In one process, on one model, for each batch size B:
   like ``generate_step`` (the next step is built while the device runs this one). Per step: the host's time to
   build it (Python building the graph, then MLX dispatching it), the time spent waiting for the device, and the
   total;
-* **host**: mlxd's decode batch alone, its stepping thread's CPU time per step (Python, and MLX building and
-  dispatching graphs) with greedy rows, rows asking for log-probabilities, and rows with penalties (logits
-  processors): what grows with the rows on the host, apart from the device's work;
+* **host**: the stepping thread's CPU time per step (Python, and MLX building and dispatching graphs) of mlx-lm's
+  forward alone on mlxd's own batched cache (greedy argmax, pipelined), of mlxd's decode batch with greedy rows, rows
+  asking for log-probabilities and rows with penalties (logits processors), and of ``BatchGenerator``: what mlxd's
+  step adds to the model's forward on the host, apart from the device's work;
 * **BatchGenerator**: mlx-lm's batched generator (its decode rate, all rows in one batch);
 * **mlxd engine**: the engine, in process (no HTTP), B concurrent requests; its aggregate decode rate and its own
   per-step breakdown (``/v1/status`` ``step_ms``: schedule, prefill, decode build, decode wait, post-process).
@@ -124,25 +125,63 @@ HOST_KINDS = {"greedy": {}, "logprobs": {"num_logprobs": 5},
               "penalties": {"sampling": {"repetition_penalty": 1.1, "logit_bias": {5: -1.0}}}}
 
 
+HOST_LABELS = {"floor": "mlx-lm forward alone", "generator": "BatchGenerator"}
+
+
 def host_ms(model, prompts: list[list[int]], steps: int, kind: str) -> tuple[float, float]:
-    """``(host ms, wall ms)`` per step of mlxd's decode batch with rows of ``kind`` (:data:`HOST_KINDS`). Host: the
-    stepping thread's own CPU time (Python, and MLX building and dispatching the graphs; MLX's CPU backend computes
-    on a stream thread of its own, so on the CPU this leaves the model's arithmetic out)."""
+    """``(host ms, wall ms)`` per step of ``kind``: mlxd's decode batch with rows of a :data:`HOST_KINDS` kind, mlx-lm's
+    forward alone on such a batch's cache ("floor"), or ``BatchGenerator`` ("generator"). Host: the stepping thread's
+    own CPU time (Python, and MLX building and dispatching the graphs; MLX's CPU backend computes on a stream thread
+    of its own, so on the CPU this leaves the model's arithmetic out)."""
     import mlx.core as mx
 
+    if kind == "generator":
+        return generator_host_ms(model, prompts, steps)
     from mlxd.engine.base import SamplingParams
 
-    options = dict(HOST_KINDS[kind])
+    options = dict(HOST_KINDS.get(kind, {}))
     if "sampling" in options:
         options["sampling"] = SamplingParams(**options["sampling"])
     batch = joined_batch(model, prompts, **options)
-    batch.step()
-    batch.step()
+    step = floor_step(batch) if kind == "floor" else batch.step
+    step()
+    step()
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
-        batch.step()
+        step()
+    host = (time.thread_time() - cpu) / steps * 1000
     mx.eval(batch.inputs)
-    return (time.thread_time() - cpu) / steps * 1000, (time.perf_counter() - wall) / steps * 1000
+    return host, (time.perf_counter() - wall) / steps * 1000
+
+
+def floor_step(batch):
+    """A step of mlx-lm's model alone on ``batch``'s cache and inputs, greedy and pipelined as the batch steps."""
+    import mlx.core as mx
+
+    def step() -> None:
+        fed = batch.inputs
+        batch.inputs = mx.argmax(batch.model(fed[:, None], cache=batch.cache)[:, -1, :], axis=-1)
+        mx.async_eval(batch.inputs)
+        fed.tolist()
+
+    return step
+
+
+def generator_host_ms(model, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """``(host ms, wall ms)`` per ``BatchGenerator`` step (``next_generated``), all rows decoding."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=steps + 8, completion_batch_size=len(prompts),
+                               prefill_batch_size=len(prompts))
+    generator.insert(prompts, max_tokens=[steps + 8] * len(prompts))
+    for _ in range(3):  # the prompt pass, then two steps
+        generator.next_generated()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        generator.next_generated()
+    host, wall = (time.thread_time() - cpu) / steps * 1000, (time.perf_counter() - wall) / steps * 1000
+    generator.close()
+    return host, wall
 
 
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, dict[str, float]]:
@@ -268,9 +307,9 @@ def main() -> None:
                     ms = batch_alone(model, prompts[:n], args.max_tokens)
                     keep(("mlxd DecodeBatch alone" + mode, n), ms, f"step {ms:.2f} ms, {n * 1000 / ms:.0f} tok/s",
                          higher=False)
-                for kind in HOST_KINDS if "host" in parts else ():
+                for kind in ("floor", *HOST_KINDS, "generator") if "host" in parts else ():
                     host, wall = host_ms(model, prompts[:n], args.max_tokens, kind)
-                    keep((f"host CPU a DecodeBatch step, {kind} rows" + mode, n), host,
+                    keep((f"host CPU a step, {HOST_LABELS.get(kind, f'DecodeBatch, {kind} rows')}" + mode, n), host,
                          f"host {host:.2f} ms a step, {host * 1000 / n:.0f} µs a row (wall {wall:.2f} ms)", higher=False)
                 if "generator" in parts:
                     result = direct_batch_generator(model, tokenizer, texts[:n], args.max_tokens)
