@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-from mlxd.api.output import SSE_KEEPALIVE, EventStream, Renderer, sse
+from mlxd.api.output import SSE_KEEPALIVE, EventStream, Renderer, encode_frames
 from mlxd.errors import MlxdError
 from mlxd.log import get_logger
 from mlxd.model_slot import ModelSlot
@@ -81,7 +81,6 @@ def error_frames(renderer: Renderer) -> ErrorFrames:
     :func:`mlxd.api.respond.stream_sse` does mid-stream)."""
 
     def frames(error: MlxdError) -> list[bytes]:
-        written = [sse(payload, name) for name, payload in renderer.error(error)]
-        return written + ([renderer.terminator] if renderer.terminator else [])
+        return [encode_frames(renderer.error(error)), *([renderer.terminator] if renderer.terminator else [])]
 
     return frames

@@ -32,6 +32,13 @@ def sse(payload: msgspec.Struct, event: str | None = None) -> bytes:
     return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
+def encode_frames(frames: list[Frame]) -> bytes:
+    """``frames`` as the bytes to write: one write for all the frames one event makes."""
+    if len(frames) == 1:
+        return sse(frames[0][1], frames[0][0])
+    return b"".join([sse(payload, name) for name, payload in frames])
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -25,7 +25,7 @@ from litestar.types import Receive
 
 from mlxd.api.choices import fan_in, siblings
 from mlxd.api.errors import redact
-from mlxd.api.output import Output, Renderer, sse, total
+from mlxd.api.output import Output, Renderer, encode_frames, total
 from mlxd.api.schemas import ErrorBody, ErrorDetail, PromptTokensDetails, Usage
 from mlxd.engine.base import Failed, Finished, Plain
 from mlxd.errors import MlxdError, PipelineError
@@ -324,21 +324,19 @@ async def stream_sse(events: AsyncIterator[tuple[int, Any]], trace: Trace,
     dones: dict[int, Done] = {}
     try:
         async with aclosing(events):
-            for name, payload in renderer.opening():
-                yield sse(payload, name)
+            if opening := renderer.opening():
+                yield encode_frames(opening)
             async for index, event in events:
                 if isinstance(event, KeepAlive):
                     yield renderer.keepalive
-                    continue
-                for name, payload in _frames(renderer, trace, dones, index, event):
-                    yield sse(payload, name)
+                elif frames := _frames(renderer, trace, dones, index, event):
+                    yield encode_frames(frames)
         if renderer.terminator:
             yield renderer.terminator
     except MlxdError as e:
         # Mid-stream failure: the surface's error frame(s), then the end of the stream.
         trace.fail(e)
-        for name, payload in renderer.error(e):
-            yield sse(payload, name)
+        yield encode_frames(renderer.error(e))
         if renderer.terminator:
             yield renderer.terminator
     except BaseException as e:
