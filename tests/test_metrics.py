@@ -149,3 +149,38 @@ def test_engine_metrics_have_one_sample_per_loaded_model(tmp_path, tiny_model_di
             assert value(samples, "mlxd_memory_bytes", model=name, kind="weights") == memory["weights_bytes"]
         misses = {name: value(samples, "mlxd_prefix_cache_misses_total", model=name) for name in ("a", "b")}
         assert misses == {"a": 1, "b": 2}  # each model counts its own lookups: one request to a, two to b
+
+
+def test_the_batch_histogram_exposes_what_prometheus_clients_histogram_does():
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from mlxd.api.metrics import INTER_TOKEN_BUCKETS, BatchHistogram
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    one_by_one = Histogram("mlxd_inter_token_seconds", "Gaps.", buckets=INTER_TOKEN_BUCKETS, registry=theirs)
+    batched = BatchHistogram("mlxd_inter_token_seconds", "Gaps.", INTER_TOKEN_BUCKETS)
+    ours.register(batched)
+    rng = random.Random(3)
+    for _ in range(30):  # values on the bounds too: a bucket counts values at or below its bound
+        values = [rng.choice(INTER_TOKEN_BUCKETS + (0.0, 9.0)) if rng.random() < 0.3 else rng.expovariate(40)
+                  for _ in range(rng.randrange(1, 60))]
+        for v in values:
+            one_by_one.observe(v)
+        batched.observe_all(values)
+
+    def samples(registry: CollectorRegistry) -> dict[str, float]:
+        text = generate_latest(registry).decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if not line.startswith("#")}
+
+    expected, got = samples(theirs), samples(ours)
+    assert [line for line in generate_latest(ours).decode().splitlines() if line.startswith("#")] == [
+        line for line in generate_latest(theirs).decode().splitlines() if line.startswith("#")]
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        if key.endswith("_sum"):
+            assert abs(value - got[key]) < 1e-9 * value, key
+        elif not key.endswith("_created"):
+            assert value == got[key], key

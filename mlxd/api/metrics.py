@@ -8,12 +8,16 @@ share counters.
 
 from __future__ import annotations
 
+import threading
+import time
+from bisect import bisect_right
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from mlxd.api.respond import Trace
 from mlxd.daemon import Daemon
@@ -39,9 +43,10 @@ class Metrics:
                                         registry=registry)
         self.ttft = Histogram("mlxd_ttft_seconds", "Seconds from a request's arrival to its first text.",
                               buckets=TTFT_BUCKETS, registry=registry)
-        self.inter_token = Histogram("mlxd_inter_token_seconds", "Seconds between consecutive pieces of text "
-                                     "sent for a request (one token each, unless the detokenizer held text back).",
-                                     buckets=INTER_TOKEN_BUCKETS, registry=registry)
+        self.inter_token = BatchHistogram("mlxd_inter_token_seconds", "Seconds between consecutive pieces of "
+                                          "text sent for a request (one token each, unless the detokenizer held "
+                                          "text back).", INTER_TOKEN_BUCKETS)
+        registry.register(self.inter_token)
         registry.register(EngineCollector(daemon))
         registry.register(ModelsCollector(daemon))
 
@@ -54,12 +59,43 @@ class Metrics:
             self.generated_tokens.inc(trace.done.num_completion_tokens)
         if trace.first_token is not None:
             self.ttft.observe(trace.first_token - trace.started)
-        for gap in trace.gaps:
-            self.inter_token.observe(gap)
+        if trace.gaps:
+            self.inter_token.observe_all(trace.gaps)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of everything in this registry."""
         return generate_latest(self.registry)
+
+
+class BatchHistogram(Collector):
+    """A histogram fed all of a request's values at once, exposed as prometheus_client's ``Histogram`` exposes one
+    (buckets, count, sum, created). ``Histogram.observe`` takes a lock and searches the buckets for every value: on
+    the event loop, for every gap between a request's tokens, a few microseconds per streamed token; here the
+    values are sorted once and each bucket's count found by bisection, under one lock per request."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, buckets
+        self._cumulative = [0] * len(buckets)  # values at or below each bound
+        self._count, self._sum = 0, 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()
+
+    def observe_all(self, values: list[float]) -> None:
+        ordered = sorted(values)
+        below = [bisect_right(ordered, bound) for bound in self.bounds]
+        total = sum(ordered)
+        with self._lock:
+            self._cumulative = [a + b for a, b in zip(self._cumulative, below, strict=True)]
+            self._count += len(ordered)
+            self._sum += total
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cumulative, count, total = list(self._cumulative), self._count, self._sum
+        buckets = [(floatToGoString(b), float(n)) for b, n in zip(self.bounds, cumulative, strict=True)]
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=[*buckets, ("+Inf", float(count))],
+                                    sum_value=total)
+        yield GaugeMetricFamily(f"{self.name}_created", self.documentation, value=self._created)
 
 
 class EngineCollector(Collector):
