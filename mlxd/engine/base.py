@@ -146,6 +146,9 @@ class Progress(msgspec.Struct, frozen=True):
 
 
 EngineEvent = Token | Finished | Failed | Progress
+# The events that end a stream, as a tuple: ``isinstance`` against ``Finished | Failed`` would build the union
+# again for every token.
+LAST_EVENTS = (Finished, Failed)
 
 
 class RequestHandle:
@@ -190,7 +193,7 @@ class RequestHandle:
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        if self._on_end is not None and isinstance(event, Finished | Failed):
+        if self._on_end is not None and isinstance(event, LAST_EVENTS):
             on_end, self._on_end = self._on_end, None
             on_end(event)
 
@@ -209,7 +212,7 @@ class RequestHandle:
                     yield None
                     continue
                 event = self._events.popleft()
-                if isinstance(event, Finished | Failed):
+                if isinstance(event, LAST_EVENTS):
                     self.done = True
                     yield event
                     return

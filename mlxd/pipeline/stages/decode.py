@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxd.engine.base import EngineRequest, Failed, Finished, Progress
+from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token
 from mlxd.errors import EngineError, PipelineError, RequestError
 from mlxd.pipeline.events import KeepAlive
 from mlxd.pipeline.job import Job
@@ -66,7 +66,9 @@ class Decode(Stage):
             yield KeepAlive()
             last_progress = time.monotonic()
             async for event in handle.events(self.keepalive_s):
-                if event is None:
+                if type(event) is Token:  # nearly every event: nothing to check
+                    yield event
+                elif event is None:
                     yield KeepAlive()
                 elif isinstance(event, Progress):
                     # A long prompt reports every chunk, so the engine is never silent for keepalive_s: keep the
