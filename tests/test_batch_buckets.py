@@ -80,6 +80,70 @@ def test_padded_batches_give_each_row_its_solo_greedy_tokens(model):
         assert got == solo(model, prompt, len(got)), row.request_id
 
 
+def test_rows_joining_a_padded_batch_take_the_filler_places_and_give_their_solo_tokens(model):
+    """Rows join a batch whose filler rows can hold them (alone, then as a group of two), written into the filler's
+    places in place; a row longer than the batch so far joins the other way. The model sees 8 rows once the batch
+    is 8 wide, and every row's tokens equal its solo run."""
+    recording = RecordingModel(model)
+    buckets = Buckets(8)
+    batch = DecodeBatch(recording, buckets=buckets)
+    prompts = [[5 + i + j for j in range(6 + 2 * i)] for i in range(3)] + [[3, 4, 5, 6], [9] * 5, [3, 4], [8] * 5]
+    prompts.append(list(range(40, 70)))
+    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            for row, emitted in zip(batch.rows, batch.step(), strict=True):
+                tokens[row.request_id] += emitted
+
+    batch.add_batch(rows[:3], *process_prompts(recording, rows[:3], prompts[:3], buckets=buckets))  # 3 of 4
+    steps(1)
+    batch.add(rows[3], process_prompt(recording, rows[3], prompts[3], last=True))  # alone: 4 of 4
+    steps(2)
+    batch.add_batch(rows[4:5], *process_prompts(recording, rows[4:5], prompts[4:5], buckets=buckets))  # 5 of 8
+    steps(1)
+    batch.add_batch(rows[5:7], *process_prompts(recording, rows[5:7], prompts[5:7], buckets=buckets))  # 7 of 8
+    steps(2)
+    recording.shapes.clear()
+    batch.add(rows[7], process_prompt(recording, rows[7], prompts[7], last=True))  # longer than the batch
+    steps(3)
+    assert {shape for shape in recording.shapes if shape[1] == 1} == {(8, 1)}
+    for row, prompt in zip(rows, prompts, strict=True):
+        got = tokens[row.request_id]
+        assert got == solo(model, prompt, len(got)), row.request_id
+
+
+def test_filling_rows_writes_what_extend_and_gather_give(tiny_model_dir):
+    """Written into filler rows, a joining row's keys, values, left padding and offset equal what mlx-lm's
+    ``extend`` followed by a gather of the rows into order gives, over every position attention reads."""
+    from mlxd.engine.step.batchcache import fill_rows, gather_rows
+
+    model = load(str(tiny_model_dir))[0]
+    buckets = Buckets(8)
+    prompts = [[5 + i + j for j in range(6 + 3 * i)] for i in range(3)]
+    joining = Row.for_request("j", SamplingParams(), model, 0)
+    process_prompt(model, joining, [7, 8, 9, 10], last=True)
+
+    def batched() -> list[Any]:
+        rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(3)]
+        cache, _ = process_prompts(model, rows, prompts, buckets=buckets)
+        gather_rows(cache, mx.array([0, 1, 2, 0]), trim=False)  # 3 rows and a filler, as a padded batch holds them
+        return cache
+
+    filled, extended = batched(), batched()
+    assert fill_rows(filled, 3, joining.cache, 1)
+    for layer, lone in zip(extended, joining.cache, strict=True):
+        layer.extend(lone.merge([lone]))
+    gather_rows(extended, mx.array([0, 1, 2, 4]), trim=False)
+    for a, b in zip(filled, extended, strict=True):
+        assert a._idx == b._idx
+        assert a.left_padding.tolist() == b.left_padding.tolist() and a.offset.tolist() == b.offset.tolist()
+        for i, pad in enumerate(a.left_padding.tolist()):
+            assert mx.array_equal(a.keys[i, :, pad : a._idx], b.keys[i, :, pad : b._idx]).item()
+            assert mx.array_equal(a.values[i, :, pad : a._idx], b.values[i, :, pad : b._idx]).item()
+
+
 def test_a_padded_batch_emptied_at_once_takes_a_lone_row_as_generate_step(tiny_model_dir):
     """Every row of a padded batch (3 rows, 4 wide) leaves in one step; a row then joining the empty batch, alone
     or as a group of one, runs unpadded and gives its solo tokens (a stale filler count once fed it extra rows: a

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.speculative.step import SpeculativeStep
-from mlxd.engine.step.batchcache import extract_row, gather_rows
+from mlxd.engine.step.batchcache import extract_row, fill_rows, gather_rows
 from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.step.penalties import CONTEXT, apply_penalties
@@ -90,13 +90,16 @@ class DecodeBatch:
             self.cache, self.inputs, self.rows, self._filler = cache, first_token.reshape(1), [row], 0
             self._rows_changed()
             return
-        self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
+        if not self._fill([row], cache, first_token.reshape(1)):
+            self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
 
     def add_batch(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> None:
         """Join rows processed together by :func:`~mlxd.engine.step.prompts.process_prompts` (``cache`` in batched form)."""
         if not self.rows and len(rows) == 1:
             self.cache, self.inputs, self.rows, self._filler = [c.extract(0) for c in cache], first_tokens, list(rows), 0
             self._rows_changed()
+            return
+        if self._fill(rows, cache, first_tokens):
             return
         real, current = list(range(len(rows))), len(rows)
         if not self.rows:
@@ -112,6 +115,19 @@ class DecodeBatch:
         self.rows.extend(rows)
         self._rows_changed()
         self._arrange(real, current, trim=False)
+
+    def _fill(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> bool:
+        """Plain rows joining a padded batch whose filler rows can hold them take the filler's places, written in
+        place (:func:`~mlxd.engine.step.batchcache.fill_rows`): the width stays the bucket it was, and nothing else
+        of the batched cache moves. False (nothing done) where that does not apply."""
+        if (len(rows) > self._filler or any(row.spec is not None for row in rows)
+                or not fill_rows(self.cache, len(self.rows), cache, len(rows))):
+            return False
+        self.inputs = mx.concatenate([self.inputs, first_tokens])
+        self.rows.extend(rows)
+        self._filler -= len(rows)
+        self._rows_changed()
+        return True
 
     def _rows_changed(self) -> None:
         self._positions = None  # rebuilt at the next step, after the filler is known
@@ -235,7 +251,9 @@ class DecodeBatch:
         try:
             sampled = self.rows[0].sampler(logprobs) if self._one_sampler else sample(self.rows, logprobs)
             self.inputs = self.share(sampled)
-            captured = capture_logprobs(self.rows, raw, self.inputs) if self._capturing else None
+            # Rows without processors sampled from the raw logits' log-probabilities: the capture reuses them.
+            normalized = logprobs if logits is raw and len(self.rows) > 1 else None
+            captured = capture_logprobs(self.rows, raw, self.inputs, normalized) if self._capturing else None
             mx.async_eval(self.inputs, *(captured.arrays if captured is not None else ()))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
             self.inputs = self.share(self._sample_each(logprobs))

@@ -64,3 +64,33 @@ def extract_row(cache: list[Any], index: int) -> list[Any]:
         row.state = (keys, mx.contiguous(values[index : index + 1, :, padding:filled]), keys.shape[2])
         lone.append(row)
     return lone
+
+
+def fill_rows(cache: list[Any], start: int, joining: list[Any], count: int) -> bool:
+    """Write the first ``count`` rows of ``joining`` (per layer a ``BatchKVCache``, or a lone ``KVCache`` when
+    ``count`` is 1) into rows ``start``.. of the batched ``cache``, in place: the rows a padded batch holds as filler
+    (:mod:`mlxd.engine.step.buckets`). mlx-lm's ``extend`` followed by a gather of the rows into order would copy
+    every layer of the batch twice and dispatch some 17 operations a layer; this writes the joining rows' keys and
+    values right-aligned at the batch's length (their left padding grows by the difference, as ``extend`` pads
+    them) in 4. Returns False, touching nothing, unless every layer is a plain ``BatchKVCache`` and the joining rows
+    are no longer than the batch."""
+    parts = []
+    for layer, other in zip(cache, joining, strict=True):
+        if type(layer) is not BatchKVCache or layer.keys is None or type(other) not in (BatchKVCache, KVCache):
+            return False
+        length = other._idx if type(other) is BatchKVCache else other.offset
+        if length > layer._idx or other.keys is None or layer.keys.shape[0] < start + count:
+            return False
+        parts.append((layer, other, length))
+    for layer, other, length in parts:
+        shift, end = layer._idx - length, layer._idx
+        layer.keys[start : start + count, :, shift:end, :] = other.keys[:count, :, :length, :]
+        layer.values[start : start + count, :, shift:end, :] = other.values[:count, :, :length, :]
+        if type(other) is BatchKVCache:
+            layer.left_padding[start : start + count] = other.left_padding[:count] + shift
+            layer.offset[start : start + count] = other.offset[:count]
+        else:
+            layer.left_padding[start : start + count] = shift
+            layer.offset[start : start + count] = length
+    return True
+

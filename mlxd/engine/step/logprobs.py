@@ -48,14 +48,17 @@ def read_logprobs(pending: Pending) -> Logprobs:
     return chosen[i], top
 
 
-def capture_logprobs(rows: list[Any], raw: mx.array, tokens: mx.array) -> Captured | None:
+def capture_logprobs(rows: list[Any], raw: mx.array, tokens: mx.array,
+                     normalized: mx.array | None = None) -> Captured | None:
     """Keep, lazily, the log-probabilities of the sampled ``tokens`` under the raw logits (before penalties, bias,
     constraints and temperature: what vLLM reports), with each asking row's top alternatives, in each asking row's
-    ``pending_logprobs``. Rows that did not ask cost nothing; when none asked, nothing is computed (None)."""
+    ``pending_logprobs``. Rows that did not ask cost nothing; when none asked, nothing is computed (None).
+    ``normalized``: ``raw - logsumexp(raw, axis=-1)`` when the caller has it already (a step whose rows have no
+    processors samples from exactly that), so it is not computed twice."""
     wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
     if not wanted:
         return None
-    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    logprobs = normalized if normalized is not None else raw - mx.logsumexp(raw, axis=-1, keepdims=True)
     captured = Captured(mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0])
     k = max(rows[i].num_logprobs for i in wanted)
     if k:

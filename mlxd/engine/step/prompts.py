@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlxd.cache.quantized import QuantizedLayer
+from mlxd.engine.step.batchcache import gather_rows
 from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs
 from mlxd.engine.step.row import Row
@@ -125,10 +126,8 @@ def _filler(buckets: Buckets | None, num_rows: int) -> int:
 
 
 def _drop_filler(cache: list[Any], num_rows: int, filler: int) -> None:
-    if filler:
-        keep = mx.arange(num_rows)
-        for layer in cache:
-            layer.filter(keep)
+    if filler:  # mlx-lm's filter, with the attention layers' left padding read once, not once a layer
+        gather_rows(cache, mx.arange(num_rows), trim=True)
 
 
 def first_tokens(rows: list[Row], raw: mx.array, logits: mx.array, share: Callable[[mx.array], mx.array]) -> mx.array:
