@@ -131,6 +131,7 @@ def _load_folder(config: ModelConfig, folder: Path, base_dir: Path | None, group
     if kind == "vision" and group is None:
         _attach_text_twin(model, folder, dtype)
     _swap_layers(model, kind, config, dtype, group)
+    _evaluate_buffers(model)
     if config.chat_template:
         tokenizer.chat_template = _read_template(config.chat_template, base_dir)
     context = choose_context_length(config.context_length, _context_length(model_config))
@@ -199,6 +200,18 @@ def _swap_layers(model: Any, kind: str, config: ModelConfig, dtype: str | None, 
         mx.eval(model.parameters())
     if config.small_batch_kernel and mx.cuda.is_available():
         _use_small_batch_kernel(model)
+
+
+def _evaluate_buffers(model: Any) -> None:
+    """Evaluate, on this thread, the arrays modules keep beside their weights: scaled RoPE variants (Llama 3's,
+    YaRN, LongRoPE) build frequency tables in ``__init__`` as private arrays, which ``parameters()`` leaves out.
+    MLX makes them lazily on this thread's stream, and the engine thread that would evaluate them first has no such
+    stream (\"There is no Stream(cpu, 0) in current thread\"): such models could not start."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    everything = model.filter_and_map(lambda _module, _key, value: isinstance(value, dict | list | mx.array))
+    mx.eval([array for _, array in tree_flatten(everything) if isinstance(array, mx.array)])
 
 
 def _load_text(folder: Path, lazy: bool = False) -> tuple[Any, Any, dict]:
