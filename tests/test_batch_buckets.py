@@ -114,6 +114,42 @@ def test_rows_joining_a_padded_batch_take_the_filler_places_and_give_their_solo_
         assert got == solo(model, prompt, len(got)), row.request_id
 
 
+def test_rows_leaving_a_padded_batch_of_the_same_width_leave_the_others_in_place(model):
+    """Rows leave from the middle of a padded batch whose bucket stays the same: the others keep their places in
+    the batched cache (nothing is copied), a row then joins, another leaves, and one's cache is taken out. Every
+    row's tokens equal its solo run, and the cache taken out continues as its solo run does."""
+    recording = RecordingModel(model)
+    buckets = Buckets(8)
+    batch = DecodeBatch(recording, buckets=buckets)
+    prompts = [[5 + i + j for j in range(3 + 2 * i)] for i in range(8)]
+    rows = [Row.for_request(f"r{i}", SamplingParams(), model, 0) for i in range(8)]
+    tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            for row, emitted in zip(batch.rows, batch.step(), strict=True):
+                tokens[row.request_id] += emitted
+
+    batch.add_batch(rows[:7], *process_prompts(recording, rows[:7], prompts[:7], buckets=buckets))
+    steps(2)
+    states = [layer.state for layer in batch.cache]
+    batch.remove({"r1", "r3"})  # 5 rows, still 8 wide
+    assert all(layer.state[0] is state[0] for layer, state in zip(batch.cache, states, strict=True))
+    steps(2)
+    batch.add(rows[7], process_prompt(recording, rows[7], prompts[7], last=True))  # 6 of 8
+    steps(2)
+    batch.remove({"r0"})
+    steps(2)
+    taken, held = batch.row_cache("r4"), len(tokens["r4"])  # the prompt and every token emitted so far
+    steps(1)
+    assert {shape for shape in recording.shapes if shape[1] == 1} == {(8, 1)}
+    for row, prompt in zip(rows, prompts, strict=True):
+        got = tokens[row.request_id]
+        assert got == solo(model, prompt, len(got)), row.request_id
+    after = [t for t, _ in generate_step(mx.array([tokens["r4"][held]]), model, max_tokens=3, prompt_cache=taken)]
+    assert after == solo(model, prompts[4], held + 4)[held + 1 :]
+
+
 def test_filling_rows_writes_what_extend_and_gather_give(tiny_model_dir):
     """Written into filler rows, a joining row's keys, values, left padding and offset equal what mlx-lm's
     ``extend`` followed by a gather of the rows into order gives, over every position attention reads."""

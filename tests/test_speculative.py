@@ -251,7 +251,7 @@ def test_long_ragged_generation_compacts_the_batch_and_keeps_the_plain_output(ta
     engine = start(model, OracleDrafter(spoiled), adaptive=False)
     try:
         results = run(engine, batch)
-        assert engine.core.runner.batch._ragged < 64 * 4  # reset by a compaction on the way (384 positions were added)
+        assert engine.core.runner.batch.speculative_step._ragged < 64 * 4  # reset by a compaction on the way (384 positions were added)
     finally:
         engine.stop()
     assert [ids(r) for r in results] == expected

@@ -25,6 +25,7 @@ from mlx_vlm.speculative.cache_state import iter_leaf_caches
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.drafters.base import DraftRow
 from mlxd.engine.speculative.state import DraftTimer, num_accepted, verify
+from mlxd.engine.step.batchcache import extract_row
 from mlxd.engine.step.logprobs import block_logprobs, read_logprobs
 from mlxd.engine.step.stepcosts import StepCosts
 from mlxd.engine.step.target import verify as verify_forward
@@ -55,6 +56,21 @@ class SpeculativeStep:
     def __init__(self, model: Any, costs: StepCosts) -> None:
         self.model = model
         self.costs = costs  # what plain and verify steps cost, shared with the batch's plain steps
+        self._ragged = 0  # left padding ragged steps have added since the batched cache was last compacted
+
+    def compact_if_ragged(self, cache: list[Any], emitted: list[list[int]]) -> list[Any]:
+        """Rows that kept fewer positions than others in a verify step leave left padding behind (their rejected
+        tail rolled to the front). Once that waste averages 64 positions a row, the batched cache is rebuilt with
+        each row's padding at its minimum (one copy of the cache); else ``cache`` comes back as it is."""
+        if len(emitted) < 2:
+            return cache
+        longest = max(len(e) for e in emitted)
+        self._ragged += sum(longest - len(e) for e in emitted)
+        if self._ragged < 64 * len(emitted):
+            return cache
+        self._ragged = 0
+        rows = [extract_row(cache, i) for i in range(len(emitted))]
+        return [layers[0].merge(list(layers)) for layers in zip(*rows, strict=True)]
 
     def draft_lengths(self, rows: list[Row]) -> list[int] | None:
         """How many tokens each row drafts this step (0 for plain rows and rows that pause: this counts their

@@ -11,8 +11,10 @@ model exactly as ``generate_step`` does (no mask, no padding), so a lone stream 
 
 Failures stay with their row where they can: ``check_request`` (:mod:`mlxd.engine.step.row`) keeps token ids outside the
 vocabulary away from MLX, and a decode step whose grouped sampling raises samples row by row, recording the rows that
-fail again in :attr:`DecodeBatch.errors` for the engine to end. A raising compiled sampler can leave MLX's global
-random state pointing at a broken array; ``reset_random_state`` replaces it.
+fail again in :attr:`DecodeBatch.errors` for the engine to end (:func:`~mlxd.engine.step.row.sample_each`).
+
+A padded batch (:mod:`mlxd.engine.step.buckets`) changes its batched cache as little as its rows allow: rows joining
+it take filler rows' places in place, and rows leaving it without changing its width leave the others where they are.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mlxd.engine.step.buckets import Buckets
 from mlxd.engine.step.logprobs import capture_logprobs, read_logprobs
 from mlxd.engine.step.penalties import CONTEXT, apply_penalties
 from mlxd.engine.step.prompts import same, sample
-from mlxd.engine.step.row import Row, reset_random_state
+from mlxd.engine.step.row import Row, sample_each
 from mlxd.engine.step.stepcosts import StepCosts
 from mlxd.engine.step.target import forward
 
@@ -45,6 +47,11 @@ class DecodeBatch:
         # outputs are dropped.
         self.buckets = buckets
         self._filler = 0
+        # Where rows left a padded batch whose bucket stayed the same, their cache rows stay as filler in place
+        # (nothing copied): then ``_at`` holds each row's cache row and ``_order`` the cache rows' inputs. None:
+        # row i is cache row i, the filler after them.
+        self._at: list[int] | None = None
+        self._order = self._held = mx.array([])
         # What every sampled token array passes through before it is fed or read (see :func:`same`).
         self.share = share
         self.rows: list[Row] = []
@@ -57,8 +64,7 @@ class DecodeBatch:
         # The log-probabilities of the tokens the last step returned, for the rows that asked (request id →
         # [(logprob, top alternatives)], one per token returned).
         self.logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
-        # Whether any row is speculative (then each step first asks the drafters), and the left padding that
-        # ragged speculative steps have added since the batched cache was last compacted.
+        # Whether any row is speculative (then each step first asks the drafters).
         self.speculative = False
         self.wants_hidden = False
         self._processing: list[int] = []
@@ -66,7 +72,6 @@ class DecodeBatch:
         self._windows: dict[tuple, tuple[tuple[Row, ...], mx.array]] = {}
         self._capturing = False
         self._one_sampler = False  # every row samples alike: one sampler call a step
-        self._ragged = 0
         # Seconds the last step spent waiting for the device (reading tokens back), for the step breakdown.
         self.waited_s = 0.0
         # What plain and verify steps cost here, for speculative rows to weigh their drafts against.
@@ -90,6 +95,7 @@ class DecodeBatch:
             self.cache, self.inputs, self.rows, self._filler = cache, first_token.reshape(1), [row], 0
             self._rows_changed()
             return
+        self._compact()
         if not self._fill([row], cache, first_token.reshape(1)):
             self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
 
@@ -99,6 +105,7 @@ class DecodeBatch:
             self.cache, self.inputs, self.rows, self._filler = [c.extract(0) for c in cache], first_tokens, list(rows), 0
             self._rows_changed()
             return
+        self._compact()
         if self._fill(rows, cache, first_tokens):
             return
         real, current = list(range(len(rows))), len(rows)
@@ -149,14 +156,15 @@ class DecodeBatch:
         """One row's cache layers at batch size 1 (the batch's own cache when it is the only row, else a copy)."""
         if len(self.rows) == 1:
             return self.cache
-        return extract_row(self.cache, self.request_ids.index(request_id))
+        index = self.request_ids.index(request_id)
+        return extract_row(self.cache, self._at[index] if self._at is not None else index)
 
     def clear(self) -> None:
         """Drop every row without touching their caches (which a failed step may have left unusable)."""
         _release_drafts(self.rows)
         self._windows = {}
         self.rows, self.cache, self.inputs, self.errors = [], [], None, {}
-        self._filler = 0
+        self._filler, self._at = 0, None
         self._rows_changed()
 
     def remove(self, request_ids: set[str]) -> None:
@@ -165,28 +173,52 @@ class DecodeBatch:
         if len(keep) == len(self.rows):
             return
         current = len(self.rows) + self._filler
+        held = [self._at[i] for i in keep] if self._at is not None else keep
         _release_drafts([row for row in self.rows if row.request_id in request_ids])
         self.rows = [self.rows[i] for i in keep]
         self._rows_changed()
+        self._at = None
         if not keep:
             self.cache, self.inputs, self._filler = [], None, 0
             return
         if len(keep) == 1:
             # Back to a plain cache: the lone stream runs unmasked again.
-            self.cache = extract_row(self.cache, keep[0])
+            self.cache = extract_row(self.cache, held[0])
             self._filler = 0
+        elif self._bucket(len(keep)) == current and not self.wants_hidden:
+            self._hold(held, current)
         else:
-            self._arrange(keep, current)
+            self._arrange(held, current)
         self.inputs = self.inputs[mx.array(keep)]
+
+    def _bucket(self, num_rows: int) -> int:
+        """The width ``num_rows`` rows run at (their own number for speculative batches, which are not padded)."""
+        if self.buckets is not None and self.buckets.decode and not self.speculative:
+            return self.buckets.width(num_rows)
+        return num_rows
+
+    def _hold(self, held: list[int], width: int) -> None:
+        """Rows stay where they are in the batched cache (rows ``held``), the others are filler: nothing moves."""
+        self._filler = width - len(held)
+        if held == list(range(len(held))):
+            return
+        self._at, spare = held, iter(range(len(held), width))
+        position = dict(zip(held, range(len(held)), strict=True))
+        self._order = mx.array([position[c] if c in position else next(spare) for c in range(width)])
+        self._held = mx.array(held)
+
+    def _compact(self) -> None:
+        """Rows joining a batch that holds rows in place bring the rows together first (one gather)."""
+        if self._at is not None:
+            held, self._at = self._at, None
+            self._arrange(held, len(self.rows) + self._filler)
 
     def _arrange(self, real: list[int], current: int, trim: bool = True) -> None:
         """Make the batched cache (``current`` rows now) hold the rows at indices ``real`` (in that order), then
         the filler rows that pad them to their bucket, in one gather (none when it holds exactly that already).
         Speculative batches are not padded: their verify passes take any width. ``trim`` (rows left): also drop
         the left padding every remaining row has (:func:`~mlxd.engine.step.batchcache.gather_rows`)."""
-        width = len(real)
-        if self.buckets is not None and self.buckets.decode and not self.speculative:
-            width = self.buckets.width(width)
+        width = self._bucket(len(real))
         indices = real + [real[0]] * (width - len(real))
         if indices != list(range(current)):
             gather_rows(self.cache, mx.array(indices), trim)
@@ -219,7 +251,7 @@ class DecodeBatch:
                 self.waited_s += verified.waited_s
                 if verified.hidden is not None:
                     self.keep_hidden(verified.hidden, verified.kept)
-                self._compact_if_ragged(verified.emitted)
+                self.cache = spec.compact_if_ragged(self.cache, verified.emitted)
                 return verified.emitted
         if self.speculative:
             self.costs.tick(len(self.rows), 1)
@@ -238,9 +270,14 @@ class DecodeBatch:
         previous = ({row.request_id: row.pending_logprobs for row in self.rows if row.pending_logprobs is not None}
                     if self._capturing else {})
         fed = mx.concatenate([inputs, mx.zeros((self._filler,), dtype=inputs.dtype)]) if self._filler else inputs
+        if self._at is not None:
+            fed = fed[self._order]
         raw, hidden = forward(self.model, fed[:, None], self.cache, hidden=self.wants_hidden,
                               **self.position_inputs())
-        raw = raw[: len(self.rows), -1, :] if self._filler else raw[:, -1, :]
+        if self._at is not None:
+            raw = raw[:, -1, :][self._held]
+        else:
+            raw = raw[: len(self.rows), -1, :] if self._filler else raw[:, -1, :]
         if hidden is not None:
             self.keep_hidden(hidden)
         logits = self._process(inputs, raw)
@@ -256,27 +293,13 @@ class DecodeBatch:
             captured = capture_logprobs(self.rows, raw, self.inputs, normalized) if self._capturing else None
             mx.async_eval(self.inputs, *(captured.arrays if captured is not None else ()))
         except Exception:  # noqa: BLE001 - retried row by row: the rows that fail again are recorded, then ended
-            self.inputs = self.share(self._sample_each(logprobs))
+            self.inputs = self.share(sample_each(self.rows, logprobs, self.errors))
             capture_logprobs(self.rows, raw, self.inputs)
         self.logprobs = {request_id: [read_logprobs(arrays)] for request_id, arrays in previous.items()}
         started = time.perf_counter()
         tokens = inputs.tolist()
         self.waited_s += time.perf_counter() - started
         return tokens
-
-    def _compact_if_ragged(self, emitted: list[list[int]]) -> None:
-        """Rows that kept fewer positions than others in a speculative step leave left padding behind (their
-        rejected tail rolled to the front). Once that waste averages 64 positions a row, rebuild the batched cache
-        with each row's padding at its minimum (one copy of the cache)."""
-        if len(self.rows) < 2:
-            return
-        longest = max(len(e) for e in emitted)
-        self._ragged += sum(longest - len(e) for e in emitted)
-        if self._ragged < 64 * len(self.rows):
-            return
-        self._ragged = 0
-        rows = [extract_row(self.cache, i) for i in range(len(self.rows))]
-        self.cache = [layers[0].merge(list(layers)) for layers in zip(*rows, strict=True)]
 
     def position_inputs(self) -> dict[str, mx.array]:
         """Per-row position inputs of the next forward pass (any number of positions a row): multimodal RoPE
@@ -285,26 +308,12 @@ class DecodeBatch:
         if not self.uses_rope_deltas:
             return {}
         if self._positions is None:
-            deltas = [row.rope_delta for row in self.rows] + [0] * self._filler
+            deltas = [0] * (len(self.rows) + self._filler)
+            for i, row in enumerate(self.rows):
+                deltas[self._at[i] if self._at is not None else i] = row.rope_delta
             needed = any(deltas) or not getattr(self.model, "has_text_twin", False)
             self._positions = {"rope_deltas": mx.array(deltas, dtype=mx.int32)[:, None]} if needed else {}
         return self._positions
-
-    def _sample_each(self, logprobs: mx.array) -> mx.array:
-        """Sample row by row, evaluating each token, so a failure lands on its own row (the slow path)."""
-        reset_random_state()
-        mx.eval(logprobs)  # raises when the forward pass itself failed: that is every row's loss
-        tokens = []
-        for i, row in enumerate(self.rows):
-            try:
-                token = row.sampler(logprobs[i : i + 1])
-                mx.eval(token)
-            except Exception as e:  # noqa: BLE001 - recorded in self.errors; the engine ends this row
-                reset_random_state()
-                self.errors[row.request_id] = e
-                token = mx.zeros((1,), dtype=mx.uint32)
-            tokens.append(token.astype(mx.uint32))
-        return mx.concatenate(tokens)
 
     def _process(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """The rows' logits after their processors: only the rows that have processors are sliced out and

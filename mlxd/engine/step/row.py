@@ -151,6 +151,24 @@ def check_request(request: EngineRequest, vocab_size: int) -> SamplingParams:
     return params
 
 
+def sample_each(rows: list[Row], logprobs: mx.array, errors: dict[str, Exception]) -> mx.array:
+    """Sample row by row, evaluating each token, so that a failure lands on its own row (the slow path of a decode
+    step whose grouped sampling raised): a row that fails again is recorded in ``errors`` and fed a placeholder."""
+    reset_random_state()
+    mx.eval(logprobs)  # raises when the forward pass itself failed: that is every row's loss
+    tokens = []
+    for i, row in enumerate(rows):
+        try:
+            token = row.sampler(logprobs[i : i + 1])
+            mx.eval(token)
+        except Exception as e:  # noqa: BLE001 - recorded in errors; the engine ends this row
+            reset_random_state()
+            errors[row.request_id] = e
+            token = mx.zeros((1,), dtype=mx.uint32)
+        tokens.append(token.astype(mx.uint32))
+    return mx.concatenate(tokens)
+
+
 def reset_random_state() -> None:
     """Give MLX's global random state a fresh key: after a failed graph it can point at an array that cannot be
     evaluated, and every later sampled request would fail with it."""
