@@ -125,3 +125,11 @@ def test_other_detokenizers_are_mlx_lms_own(tiny_tokenizer) -> None:
     assert isinstance(detokenizer, MlxLmText)
     ids = tiny_tokenizer.encode("Hello there\nsecond line", add_special_tokens=False)
     assert "".join(_segments(factory, ids)) == "Hello there\nsecond line"
+
+
+def test_the_stage_module_imports_no_mlx() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, mlxd.pipeline.stages.detokenize; sys.exit('mlx.core' in sys.modules or 'mlx_lm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
 REPLACEMENT = "\ufffd"
 
 
@@ -41,6 +39,8 @@ def bytes_to_unicode() -> dict[int, str]:
 def make_detokenizer(tokenizer: Any) -> Callable[[], StreamingText]:
     """A factory of per-request detokenizers for ``tokenizer`` (an mlx-lm ``TokenizerWrapper``): the fast
     byte-level one where mlx-lm would use its BPE detokenizer, else mlx-lm's own behind the same interface."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer  # here: importing mlx-lm imports MLX
+
     probe = tokenizer.detokenizer  # a fresh instance of the tokenizer's detokenizer class
     if type(probe) is not BPEStreamingDetokenizer:
         return lambda: MlxLmText(tokenizer.detokenizer)
