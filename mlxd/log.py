@@ -141,12 +141,17 @@ class _DropMessage(logging.Filter):
 
 
 def quiet_pytorch_notice() -> None:
-    """Drop transformers' "PyTorch was not found. Models won't be available..." (logged by ``transformers``'
-    ``__init__`` at import when torch is absent, which it always is here: mlxd uses its tokenizers only). Its
-    other messages are left as they are. Call before transformers is first imported."""
-    logger = logging.getLogger("transformers")
-    if not any(isinstance(f, _DropMessage) for f in logger.filters):
-        logger.addFilter(_DropMessage("PyTorch was not found."))
+    """Drop two transformers notices that are wrong for mlxd: "PyTorch was not found. Models won't be
+    available..." (logged by ``transformers``' ``__init__`` at import when torch is absent, which it always is
+    here: mlxd uses its tokenizers only), and "Token indices sequence length is longer than the specified maximum
+    sequence length ... will result in indexing errors" (a tokenizer's ``model_max_length`` is the trained
+    context; mlxd checks prompts against the served ``[model] context_length`` itself). Their other messages are
+    left as they are. Call before transformers is first imported."""
+    for name, start in (("transformers", "PyTorch was not found."),
+                        ("transformers.tokenization_utils_base", "Token indices sequence length is longer")):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

@@ -38,6 +38,24 @@ def test_only_the_pytorch_notice_is_dropped(caplog):
     assert [r.getMessage() for r in caplog.records] == ["some other advice"]
 
 
+def test_the_tokenizer_length_notice_is_dropped(caplog, tiny_model_dir):
+    """A prompt longer than the tokenizer's trained length is served when the context allows it; transformers'
+    "will result in indexing errors" would only mislead an operator reading the log."""
+    from transformers import AutoTokenizer
+
+    from mlxd.log import quiet_pytorch_notice
+
+    quiet_pytorch_notice()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.model_max_length = 8
+    with caplog.at_level(logging.WARNING):
+        ids = tokenizer.encode("one two three four five six seven eight nine ten eleven twelve")
+    assert len(ids) > 8
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]
+    logging.getLogger("transformers.tokenization_utils_base").warning("another tokenizer notice")
+    assert [r.getMessage() for r in caplog.records] == ["another tokenizer notice"]
+
+
 def test_daemon_logs_its_phases_in_order_with_durations(tiny_model_dir, tmp_path):
     port = free_port()
     config = write_config(tmp_path, tiny_model_dir, port=port, extra="[engine]\nmax_running = 4\n")
