@@ -95,7 +95,8 @@ class DecodeBatch:
             self.cache, self.inputs, self.rows, self._filler = cache, first_token.reshape(1), [row], 0
             self._rows_changed()
             return
-        self._compact()
+        if row.wants_hidden:
+            self._compact()  # hidden states are handed out by row index
         if not self._fill([row], cache, first_token.reshape(1)):
             self.add_batch([row], [c.merge([c]) for c in cache], first_token.reshape(1))
 
@@ -126,14 +127,18 @@ class DecodeBatch:
     def _fill(self, rows: list[Row], cache: list[Any], first_tokens: mx.array) -> bool:
         """Plain rows joining a padded batch whose filler rows can hold them take the filler's places, written in
         place (:func:`~mlxd.engine.step.batchcache.fill_rows`): the width stays the bucket it was, and nothing else
-        of the batched cache moves. False (nothing done) where that does not apply."""
-        if (len(rows) > self._filler or any(row.spec is not None for row in rows)
-                or not fill_rows(self.cache, len(self.rows), cache, len(rows))):
+        of the batched cache moves; a lone row takes the first free place of a batch holding rows in place. False
+        (nothing done) where that does not apply."""
+        if len(rows) > self._filler or any(row.spec is not None for row in rows):
+            return False
+        width, held = len(self.rows) + self._filler, self._at or list(range(len(self.rows)))
+        start = len(self.rows) if self._at is None else min(set(range(width)) - set(self._at))
+        if (self._at is not None and len(rows) > 1) or not fill_rows(self.cache, start, cache, len(rows)):
             return False
         self.inputs = mx.concatenate([self.inputs, first_tokens])
         self.rows.extend(rows)
-        self._filler -= len(rows)
         self._rows_changed()
+        self._hold(held + list(range(start, start + len(rows))), width)
         return True
 
     def _rows_changed(self) -> None:
@@ -199,7 +204,7 @@ class DecodeBatch:
 
     def _hold(self, held: list[int], width: int) -> None:
         """Rows stay where they are in the batched cache (rows ``held``), the others are filler: nothing moves."""
-        self._filler = width - len(held)
+        self._filler, self._at = width - len(held), None
         if held == list(range(len(held))):
             return
         self._at, spare = held, iter(range(len(held), width))
