@@ -149,18 +149,23 @@ def streamed_text(frames: list[Any]) -> str:
     return "".join(out)
 
 
-def run_request(engine: Any, request: Any) -> tuple[list[int], Any]:
-    """Submit ``request`` to an engine and return its tokens and its ``Finished`` event (a ``Failed`` one fails)."""
+async def collect(handle: Any) -> tuple[list[int], Any]:
+    """A request handle's tokens and its ``Finished`` event (a ``Failed`` one fails the test)."""
     from mlxd.engine.base import Failed, Finished, Token
 
+    tokens = []
+    async for event in handle.events():
+        if isinstance(event, Token):
+            tokens.append(event.token)
+        elif isinstance(event, Finished | Failed):
+            assert isinstance(event, Finished), event
+            return tokens, event
+    raise AssertionError("the stream ended without a final event")
+
+
+def run_request(engine: Any, request: Any) -> tuple[list[int], Any]:
+    """Submit ``request`` to an engine and return its tokens and its ``Finished`` event (a ``Failed`` one fails)."""
+
     async def go() -> tuple[list[int], Any]:
-        handle = engine.submit(request)
-        tokens = []
-        async for event in handle.events():
-            if isinstance(event, Token):
-                tokens.append(event.token)
-            elif isinstance(event, Finished | Failed):
-                assert isinstance(event, Finished), event
-                return tokens, event
-        raise AssertionError("the stream ended without a final event")
+        return await collect(engine.submit(request))
     return asyncio.run(go())

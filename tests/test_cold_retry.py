@@ -12,8 +12,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from structlog.testing import capture_logs
 
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, Token
+from mlxd.engine.base import EngineRequest
 from mlxd.engine.engine import BatchedEngine
+from tests.helpers import collect
 from tests.helpers import run_request as run
 
 PROMPT = "A long agent prompt about parsers, checkers and the tests that keep them honest. " * 4
@@ -93,16 +94,7 @@ def test_a_broken_state_in_a_shared_pass_fails_only_its_own_request_and_it_runs_
         async def both():
             handles = [engine.submit(EngineRequest(request_id=name, prompt=p, max_tokens=8))
                        for name, p in (("good", good), ("bad", bad))]
-            out = {}
-            for handle in handles:
-                tokens = []
-                async for event in handle.events():
-                    if isinstance(event, Token):
-                        tokens.append(event.token)
-                    elif isinstance(event, Finished | Failed):
-                        assert isinstance(event, Finished), event
-                        out[handle.request_id] = (tokens, event)
-            return out
+            return {handle.request_id: await collect(handle) for handle in handles}
 
         with capture_logs() as logs:
             out = asyncio.run(both())

@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 from mlxd.api import respond
 from mlxd.api.respond import ClientDisconnected, Trace
 from mlxd.config.schema import EngineConfig
-from mlxd.engine.base import EngineRequest, Failed, Finished, RequestHandle, Token
+from mlxd.engine.base import EngineRequest, Finished, RequestHandle
 from mlxd.engine.commands import Accept, Cancel, Clear, Evict, RequestSpec
 from mlxd.engine.core import EngineCore
 from mlxd.engine.prefix import PromptReuse
@@ -35,7 +35,7 @@ from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.scheduler import SequenceState
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.pipeline.job import Job
-from tests.helpers import ROOT, free_port, wait_healthy, write_config
+from tests.helpers import ROOT, collect, free_port, wait_healthy, write_config
 
 CHUNK = 16
 NUM_CHUNKS = 5
@@ -81,14 +81,7 @@ def step(core: EngineCore) -> None:
 async def events_of(handle: RequestHandle) -> tuple[list[int], Finished]:
     """The tokens and the final event a handle has received (every step has run: nothing is left to wait for)."""
     await asyncio.sleep(0)  # the engine's events reach the handle through the event loop
-    tokens = []
-    async for event in handle.events():
-        if isinstance(event, Token):
-            tokens.append(event.token)
-        elif isinstance(event, Finished | Failed):
-            assert isinstance(event, Finished), event
-            return tokens, event
-    raise AssertionError("the stream ended without a final event")
+    return await collect(handle)
 
 
 async def run_to_end(core: EngineCore, request: EngineRequest) -> tuple[list[int], Finished]:
