@@ -32,6 +32,20 @@ def solo(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
+def run_steps(batch: DecodeBatch, tokens: dict[str, list[int]], count: int) -> None:
+    """``count`` decode steps, each row's emitted tokens added to its list."""
+    for _ in range(count):
+        for row, emitted in zip(batch.rows, batch.step(), strict=True):
+            tokens[row.request_id] += emitted
+
+
+def assert_solo_tokens(model: Any, rows: list[Row], prompts: list[list[int]], tokens: dict[str, list[int]]) -> None:
+    """Every row's tokens equal its prompt's solo greedy run."""
+    for row, prompt in zip(rows, prompts, strict=True):
+        got = tokens[row.request_id]
+        assert got == solo(model, prompt, len(got)), row.request_id
+
+
 def test_widths_are_powers_of_two_to_eight_then_multiples_of_eight():
     assert bucket_widths(128) == (1, 2, 4, 8, *range(16, 129, 8))
     assert bucket_widths(24) == (1, 2, 4, 8, 16, 24)
@@ -60,9 +74,7 @@ def test_padded_batches_give_each_row_its_solo_greedy_tokens(model):
     tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
 
     def steps(count: int) -> None:
-        for _ in range(count):
-            for row, emitted in zip(batch.rows, batch.step(), strict=True):
-                tokens[row.request_id] += emitted
+        run_steps(batch, tokens, count)
 
     for row, prompt in zip(rows[:3], prompts[:3], strict=True):  # widths 1, 2, then 3 rows padded to 4
         batch.add(row, process_prompt(recording, row, prompt, last=True))
@@ -75,9 +87,7 @@ def test_padded_batches_give_each_row_its_solo_greedy_tokens(model):
     steps(1)
     assert {batch for batch, _ in recording.shapes} <= set(bucket_widths(8))
     assert (8, 1) in recording.shapes and (4, 1) in recording.shapes  # a group of 4 ran 8 wide; 3 rows ran 4 wide
-    for row, prompt in zip(rows, prompts, strict=True):
-        got = tokens[row.request_id]
-        assert got == solo(model, prompt, len(got)), row.request_id
+    assert_solo_tokens(model, rows, prompts, tokens)
 
 
 def test_rows_joining_a_padded_batch_take_the_filler_places_and_give_their_solo_tokens(model):
@@ -93,9 +103,7 @@ def test_rows_joining_a_padded_batch_take_the_filler_places_and_give_their_solo_
     tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
 
     def steps(count: int) -> None:
-        for _ in range(count):
-            for row, emitted in zip(batch.rows, batch.step(), strict=True):
-                tokens[row.request_id] += emitted
+        run_steps(batch, tokens, count)
 
     batch.add_batch(rows[:3], *process_prompts(recording, rows[:3], prompts[:3], buckets=buckets))  # 3 of 4
     steps(1)
@@ -109,9 +117,7 @@ def test_rows_joining_a_padded_batch_take_the_filler_places_and_give_their_solo_
     batch.add(rows[7], process_prompt(recording, rows[7], prompts[7], last=True))  # longer than the batch
     steps(3)
     assert {shape for shape in recording.shapes if shape[1] == 1} == {(8, 1)}
-    for row, prompt in zip(rows, prompts, strict=True):
-        got = tokens[row.request_id]
-        assert got == solo(model, prompt, len(got)), row.request_id
+    assert_solo_tokens(model, rows, prompts, tokens)
 
 
 def test_rows_leaving_a_padded_batch_of_the_same_width_leave_the_others_in_place(model):
@@ -126,9 +132,7 @@ def test_rows_leaving_a_padded_batch_of_the_same_width_leave_the_others_in_place
     tokens: dict[str, list[int]] = {row.request_id: [] for row in rows}
 
     def steps(count: int) -> None:
-        for _ in range(count):
-            for row, emitted in zip(batch.rows, batch.step(), strict=True):
-                tokens[row.request_id] += emitted
+        run_steps(batch, tokens, count)
 
     batch.add_batch(rows[:7], *process_prompts(recording, rows[:7], prompts[:7], buckets=buckets))
     steps(2)
@@ -143,9 +147,7 @@ def test_rows_leaving_a_padded_batch_of_the_same_width_leave_the_others_in_place
     taken, held = batch.row_cache("r4"), len(tokens["r4"])  # the prompt and every token emitted so far
     steps(1)
     assert {shape for shape in recording.shapes if shape[1] == 1} == {(8, 1)}
-    for row, prompt in zip(rows, prompts, strict=True):
-        got = tokens[row.request_id]
-        assert got == solo(model, prompt, len(got)), row.request_id
+    assert_solo_tokens(model, rows, prompts, tokens)
     after = [t for t, _ in generate_step(mx.array([tokens["r4"][held]]), model, max_tokens=3, prompt_cache=taken)]
     assert after == solo(model, prompts[4], held + 4)[held + 1 :]
 
