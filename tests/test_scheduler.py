@@ -213,6 +213,26 @@ def test_a_burst_of_whole_prompts_starts_in_one_step_up_to_max_pass_tokens():
     assert started == ["p0", "p1", "p2"]
 
 
+def test_a_burst_pass_and_the_reservations_fit_the_room_together():
+    """With the pass's bytes measured (10 a token here) the burst stops where its padded pass and every
+    reservation, its own rows' included, would exceed kv_budget_bytes: 32 prompts of 256 fit 85,220 bytes
+    (81,920 for the pass, 3,300 for 33 rows of 100); a 33rd would not. Without the measure, all 64 start."""
+    def burst(pass_bytes_per_token: int) -> list[str]:
+        scheduler = Scheduler(max_running=65, max_waiting=64, step_token_budget=512, kv_budget_bytes=85_220)
+        scheduler.max_pass_tokens = 32768
+        scheduler.pass_bytes_per_token = pass_bytes_per_token
+        scheduler.add(seq("decoding", 4, chunk=512, kv=100))
+        scheduler.on_prefilled(scheduler.schedule().prefill[0][0], 4)
+        for i in range(64):
+            scheduler.add(seq(f"p{i}", 256, chunk=512, kv=100))
+        plan = scheduler.schedule()
+        assert [s.request_id for s in plan.decode] == ["decoding"]
+        return [s.request_id for s, _ in plan.prefill]
+
+    assert burst(10) == [f"p{i}" for i in range(32)]
+    assert burst(0) == [f"p{i}" for i in range(64)]
+
+
 def test_nothing_overtakes_a_head_that_does_not_fit():
     scheduler = Scheduler(max_running=8, max_waiting=8, step_token_budget=1000, kv_budget_bytes=300)
     scheduler.add(seq("a", 4, kv=100))

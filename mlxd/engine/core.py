@@ -125,6 +125,7 @@ class EngineCore:
         # elsewhere a burst would run one pass per prompt in a single step, and decoding rows would wait for all.
         self.scheduler.max_pass_tokens = (max_pass_tokens(self.memory, self.config.step_token_budget)
                                           if self.runner.trimmable else 0)
+        self.scheduler.pass_bytes_per_token = self.memory.pass_bytes_per_token
         mx.set_cache_limit(self.memory.cache_limit_bytes)
         log_memory_budget(self.memory, self.scheduler.max_pass_tokens)
         # max_running as set, or derived from the memory budget: the config then holds the number (warm-up meets

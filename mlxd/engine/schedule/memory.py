@@ -170,18 +170,18 @@ def measure_pass_bytes(model: Any, max_kv_size: int = 0, evaluate: bool | None =
     return -(-num_bytes // PASS_PROBE_TOKENS)
 
 
-# A pass of whole prompts arriving together (a burst) may take this share of what the limit leaves beside the weights,
-# and at most MAX_PASS_TOKENS tokens. The share is transient (the pass's arrays are freed when it ends) and comes on
-# top of the KV reservations, which count what caches can grow to, not what they hold when a burst starts; beyond the
-# limit the device keeps GPU_MEMORY_SHARE's remainder (CUDA) or a quarter of RAM (CPU).
-PASS_SHARE = 0.25
-MAX_PASS_TOKENS = 16384
+# A pass of whole prompts arriving together (a burst) holds at most MAX_PASS_TOKENS tokens, and at most what the room
+# beside the weights holds at the measured bytes a token; each step the scheduler also keeps the pass and every
+# reservation within the room together (Scheduler._pass_fits). Beyond the limit the device keeps GPU_MEMORY_SHARE's
+# remainder (CUDA) or a quarter of RAM (CPU).
+MAX_PASS_TOKENS = 32768
 
 
 def max_pass_tokens(budget: MemoryBudget, step_token_budget: int, wide: bool | None = None) -> int:
-    """The prompt tokens one pass of whole prompts may hold: :data:`PASS_SHARE` of the room beside the weights over
-    the measured bytes per token, in ``[step_token_budget, MAX_PASS_TOKENS]``. On an H100 beside a bf16 8B model
-    (55 GB of room; 0.3 MB a token of logits alone) that is 16,384: a burst of 64 prompts of 256 tokens in one pass.
+    """The prompt tokens one pass of whole prompts may hold at most: the room beside the weights over the measured
+    bytes per token, in ``[step_token_budget, MAX_PASS_TOKENS]``. On an H200 beside a bf16 8B model with a 48 GiB
+    share (35 GB of room, 1.2 MB a token measured), that is 29,900: a burst of 64 prompts of 260 tokens (16,640) in
+    one pass, which the scheduler starts when its reservations leave the room (3.7 GB for those 64 rows).
 
     Only where wide passes pay (``wide``, default: GPU backends, where a pass of 16k tokens costs little more than
     one of 512 per token and far less in all than 32 of them). On the CPU a pass costs its tokens' compute whatever
@@ -190,7 +190,7 @@ def max_pass_tokens(budget: MemoryBudget, step_token_budget: int, wide: bool | N
     There the step token budget stands."""
     if not (mx.default_device() != mx.cpu if wide is None else wide) or not budget.pass_bytes_per_token:
         return step_token_budget
-    tokens = int(budget.kv_budget_bytes * PASS_SHARE) // budget.pass_bytes_per_token
+    tokens = budget.kv_budget_bytes // budget.pass_bytes_per_token
     return max(step_token_budget, min(MAX_PASS_TOKENS, tokens))
 
 

@@ -8,8 +8,9 @@ chunks of its ``prefill_chunk`` tokens) and ``decode`` (one token per step, batc
 request). Each step spends at most ``step_token_budget`` tokens: every decoding request gets its token, prompt chunks
 take what is left (the first chunk of a step always goes, so a prompt is never starved by a full decode batch).
 Chunks are never split by the budget, so an n-token prompt takes exactly ceil(n / chunk) forward passes. A burst of
-whole text prompts at the head of the queue may start together beyond the budget, up to ``max_pass_tokens`` (what
-memory allows one pass to hold; 0: off), in one pass beside the decode step. Nothing is preempted.
+whole text prompts at the head of the queue may start together beyond the budget, up to ``max_pass_tokens`` (0: off),
+in one pass beside the decode step, while that pass's transient bytes (``pass_bytes_per_token`` times its padded
+tokens) and every reservation, the burst's own included, fit ``kv_budget_bytes`` together. Nothing is preempted.
 
 Memory: each request carries ``num_kv_bytes``, what its KV cache can grow to (prompt + ``max_tokens``), and the
 running requests may reserve at most ``kv_budget_bytes`` together. In the decode batch every row is left-padded to
@@ -161,6 +162,9 @@ class Scheduler:
         # Tokens of whole text prompts one step may start together, in one pass, beyond step_token_budget (a
         # burst); the engine sets it from what memory allows (mlxd.engine.schedule.memory.max_pass_tokens). 0: none.
         self.max_pass_tokens = 0
+        # Bytes a prompt pass holds per token while it runs (the engine's measure); 0: a burst is bounded by
+        # max_pass_tokens alone.
+        self.pass_bytes_per_token = 0
         # The rows a decode batch of n requests occupies: n, or its bucket where the engine pads decode steps.
         self.row_width: Callable[[int], int] = _as_is
         # A budget shared with other models' engines, which must grant each admission too; None: this engine's own.
@@ -284,19 +288,30 @@ class Scheduler:
 
     def _admit_burst(self, prefill: list[tuple[SequenceState, int]]) -> list[tuple[SequenceState, int]]:
         """Admit whole text prompts from the head of the queue, in order, while this step's whole prompts hold at
-        most ``max_pass_tokens`` tokens together: a burst starts in one pass (:func:`prompts_to_batch` groups them)
-        instead of ``step_token_budget`` at a time, while every decoding request still gets its token this step."""
-        total = sum(n for s, n in prefill if _whole_text(s, n))
+        most ``max_pass_tokens`` tokens together and their pass fits beside the reservations
+        (:meth:`_pass_fits`): a burst starts in one pass (:func:`prompts_to_batch` groups them) instead of
+        ``step_token_budget`` at a time, while every decoding request still gets its token this step."""
+        whole = [n for s, n in prefill if _whole_text(s, n)]
+        total, rows, longest = sum(whole), len(whole), max(whole, default=0)
         chosen = []
         while self.can_admit():
             head = self.head
             num_tokens = head.next_chunk()
-            if not _whole_text(head, num_tokens) or total + num_tokens > self.max_pass_tokens:
+            if (not _whole_text(head, num_tokens) or total + num_tokens > self.max_pass_tokens
+                    or not self._pass_fits(rows + 1, max(longest, num_tokens), head)):
                 break
             self.admit()
             chosen.append((head, num_tokens))
-            total += num_tokens
+            total, rows, longest = total + num_tokens, rows + 1, max(longest, num_tokens)
         return chosen
+
+    def _pass_fits(self, rows: int, longest: int, head: SequenceState) -> bool:
+        """Whether a pass of ``rows`` prompts padded to ``longest`` tokens fits beside the reservations once
+        ``head`` runs too: the pass's bytes are transient, the reservations count what caches may grow to."""
+        if not self.pass_bytes_per_token or self.kv_budget_bytes is None:
+            return True
+        pass_bytes = rows * longest * self.pass_bytes_per_token
+        return pass_bytes + self.num_reserved_bytes_with(head) <= self.kv_budget_bytes
 
     def _admit_behind(self, head: SequenceState, budget: int) -> list[tuple[SequenceState, int]]:
         """Admit whole prompts waiting behind ``head`` (which does not fit ``budget`` this step) that fit, in
