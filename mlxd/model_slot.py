@@ -142,8 +142,12 @@ class ModelSlot:
 
     def _start_engine(self, loaded: Any) -> None:
         """Build the engine for the loaded model and start its thread (it warms up there)."""
+        from mlxd.engine.engine import BatchedEngine
+
         self.engine = self._new_engine(loaded)
         self.engine.on_failure = lambda reason: self.hooks.on_engine_failure(self, reason)
+        if isinstance(self.engine, BatchedEngine):  # a burst waits for the requests still being prepared
+            self.engine.engine_loop.incoming = lambda: self.num_preparing
         self.engine.start()
 
     def _new_engine(self, loaded: Any) -> Any:

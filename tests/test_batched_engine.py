@@ -20,7 +20,7 @@ from mlx_lm.generate import generate_step
 from mlxd.config.schema import EngineConfig
 from mlxd.engine.base import EngineRequest, Failed, Finished, SamplingParams, Token
 from mlxd.engine.engine import BatchedEngine
-from tests.helpers import free_port, serve_subprocess, write_config
+from tests.helpers import app_client, free_port, serve_subprocess, write_config
 
 PROMPTS = [
     "Once upon a time",
@@ -230,6 +230,55 @@ def test_requests_that_wake_an_idle_engine_together_start_in_one_prompt_pass(ref
         assert prefill_calls[0] == (1, len(prompts[0])) and len(prefill_calls) >= 2, prefill_calls
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == solo_tokens(model, prompt, 8)
+
+
+@pytest.mark.parametrize(("preparing", "expected_passes"), [(True, 1), (False, 2)])
+def test_a_burst_waits_for_the_requests_still_being_prepared(reference, preparing, expected_passes):
+    """Requests 40 ms apart, far past gather_ms (2 ms, at most 20 ms in all): while the later ones are reported as
+    being prepared (``incoming``), the idle engine waits for them (up to 100 ms) and starts all three in one pass;
+    with nothing reported, the first starts alone. Each output equals its solo run."""
+    model, tokenizer = reference
+    counting = CountingModel(model)
+    engine = BatchedEngine(counting, EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64))
+    assert engine.core.config.gather_ms == 2.0
+    on_the_way = [2 if preparing else 0]
+    engine.engine_loop.incoming = lambda: on_the_way[0]
+    engine.start()
+    counting.calls.clear()  # warm-up
+    prompts = [tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[4])]
+    requests = [EngineRequest(request_id=f"r{i}", prompt=p, max_tokens=8, prefill_chunk=64)
+                for i, p in enumerate(prompts)]
+
+    async def go():
+        tasks = [asyncio.create_task(collect_tokens(engine, requests[0]))]
+        for request in requests[1:]:
+            await asyncio.sleep(0.04)
+            on_the_way[0] = max(0, on_the_way[0] - 1)  # prepared: submitted now
+            tasks.append(asyncio.create_task(collect_tokens(engine, request)))
+        return await asyncio.gather(*tasks)
+    try:
+        got = asyncio.run(go())
+    finally:
+        engine.stop()
+    prefill_calls = [(c.batch, c.length) for c in counting.calls if c.length > 1]
+    if expected_passes == 1:
+        assert prefill_calls == [(3, max(len(p) for p in prompts))]
+    else:
+        assert prefill_calls[0] == (1, len(prompts[0])) and len(prefill_calls) >= 2, prefill_calls
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == solo_tokens(model, prompt, 8)
+
+
+def test_a_models_engine_hears_of_the_requests_its_slot_prepares(tmp_path, tiny_model_dir):
+    """The daemon wires the slot's count of requests in preparation into its engine's burst gathering."""
+    with app_client(write_config(tmp_path, tiny_model_dir)) as (_, daemon):
+        slot = daemon.models.first
+        assert slot.engine.engine_loop.incoming() == 0
+        slot.num_preparing += 3
+        try:
+            assert slot.engine.engine_loop.incoming() == 3
+        finally:
+            slot.num_preparing -= 3
 
 
 def prefill_passes_after_a_cached_prompt(model, config: EngineConfig, earlier: list[int],

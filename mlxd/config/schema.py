@@ -157,8 +157,9 @@ class EngineConfig(Base):
     # Tokens one engine step processes: one per decoding request, the rest for prompt chunks (at least one
     # chunk a step). Smaller keeps running streams smoother while long prompts arrive.
     step_token_budget: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 512
-    # A request that finds the engine idle waits until no other request has arrived for this long (at most ten
-    # times it), so that requests sent together start in one prompt pass; 0 starts each at once.
+    # A request that finds the engine idle waits until no other request has arrived for this long and none is being
+    # prepared (at most ten times it, fifty while requests are being prepared), so that requests sent together start
+    # in one prompt pass; 0 starts each at once.
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0
     # Prompt tokens per forward pass (the prefill stage's chunks, and the chunk warm-up compiles for); smaller
     # chunks let running streams interleave sooner. The only place this is set. At most 8,192 (mlx-lm's own default

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 
 Reply = tuple[asyncio.AbstractEventLoop, asyncio.Future]  # where a command's result goes (clear_prefix_cache)
 
+# A burst on an idle engine is gathered for at most this many times [engine] gather_ms, and this many while requests
+# are still being prepared (rendered and tokenized on the preparation workers: 64 requests arrive over some 50-80 ms
+# on an H200's host, and a first pass of the few that came first would hold the rest back for its whole length).
+GATHER_TIMES = 10
+GATHER_PREPARING_TIMES = 50
+
 # While the head of its queue waits for room that other models' rows hold (a shared budget) and nothing of its own
 # runs, the engine looks again this often, taking commands in between.
 SHARED_ROOM_POLL_S = 0.01
@@ -42,6 +48,9 @@ class EngineLoop:
                  leader: Leader | None = None) -> None:
         self.core, self.held, self.leader = core, held, leader
         self._inbox: queue.SimpleQueue[tuple[Command | ImagesEncoded, Reply | None]] = queue.SimpleQueue()
+        # Requests on their way to this engine (being prepared), read while a burst is gathered; the model's slot
+        # sets it.
+        self.incoming: Callable[[], int] = lambda: 0
 
     def put(self, command: Command | ImagesEncoded, reply: Reply | None = None) -> None:
         """Queue ``command`` for the engine thread (thread-safe); ``reply`` gets what applying it returns."""
@@ -93,23 +102,27 @@ class EngineLoop:
         until a command comes) when ``block``, for at most ``wait_s`` when that is given.
 
         A request that wakes the idle engine waits for the requests arriving with it: commands are taken until
-        none has come for ``gather_ms`` (at most ten times that in all), so that a burst of requests starts in one
-        prompt pass instead of the first alone and the rest a step later."""
+        none has come for ``gather_ms`` and none is being prepared (:attr:`incoming`), at most
+        :data:`GATHER_TIMES` (:data:`GATHER_PREPARING_TIMES` while some are) times ``gather_ms`` in all, so that a
+        burst of requests starts in one prompt pass instead of the first few alone and the rest after that pass."""
         gather_s = self.core.config.gather_ms / 1000
         idle_wait_s = self.leader.heartbeat_s if self.leader is not None else None
         if wait_s is not None:
             block, idle_wait_s = True, wait_s
-        deadline = None
+        started = None  # when gathering began
         while True:
             try:
-                command, reply = self._inbox.get(block=block or deadline is not None,
-                                                 timeout=idle_wait_s if block else _left(deadline, gather_s))
+                command, reply = self._inbox.get(block=block or started is not None,
+                                                 timeout=idle_wait_s if block else self._gather_wait_s(started,
+                                                                                                        gather_s))
             except queue.Empty:
+                if started is not None and self._gathering_more(started, gather_s):
+                    continue
                 if self.core.runner.vision is not None:
                     self.core.runner.vision.flush()  # the images of the requests just taken on, as one job
                 return True
             if block and isinstance(command, Accept) and gather_s > 0:
-                deadline = time.monotonic() + 10 * gather_s
+                started = time.monotonic()
             block = False
             if isinstance(command, Accept) and not self.core.table.is_pending(command.spec.request_id):
                 continue  # ended before it got here (abort_all)
@@ -120,12 +133,21 @@ class EngineLoop:
             if isinstance(command, Stop):
                 return False
 
+    def _gather_wait_s(self, started: float | None, gather_s: float) -> float | None:
+        """How long to wait for the next command while gathering a burst (None when not gathering)."""
+        if started is None:
+            return None
+        times = GATHER_PREPARING_TIMES if self.incoming() else GATHER_TIMES
+        return max(0.0, min(gather_s, started + times * gather_s - time.monotonic()))
+
+    def _gathering_more(self, started: float, gather_s: float) -> bool:
+        """Whether to go on gathering after ``gather_s`` without a command: requests are still being prepared
+        and the gathering has not reached :data:`GATHER_PREPARING_TIMES` times ``gather_s``."""
+        return bool(self.incoming()) and time.monotonic() < started + GATHER_PREPARING_TIMES * gather_s
+
     def _idle(self) -> None:
         if self.leader is not None:
             self.leader.idle()
         mx.clear_cache()  # idle: give the freed buffers back
 
 
-def _left(deadline: float | None, gap_s: float) -> float | None:
-    """How long to wait for the next command while gathering a burst (None when not gathering)."""
-    return None if deadline is None else max(0.0, min(gap_s, deadline - time.monotonic()))
