@@ -176,6 +176,11 @@ class EngineConfig(Base):
     # sizes that are not a multiple of kv_group_size, attention sinks) and with max_kv_size.
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] = 64
+    # Token hand-overs to the server's streams a second, in all (mlxd/engine/pacing.py): each wakes a stream's task,
+    # whose Python holds the interpreter lock the engine thread needs for its next step. With more streams than this
+    # allows one hand-over a token, each stream gets its tokens together every streams / this seconds (64 streams:
+    # every 64 ms, one frame for what came meanwhile); first tokens and ends are never held. 0: every token at once.
+    stream_updates_per_s: Annotated[float, msgspec.Meta(ge=0, le=1_000_000)] = 1000.0
     # Decode steps per batch size during warm-up, before /health turns ready.
     warmup_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     # Decode steps and prompt groups run at bucketed row counts (1, 2, 4, 8, then multiples of 8), padded with inert

@@ -105,6 +105,13 @@ class Token(msgspec.Struct, frozen=True):
     top: tuple[tuple[int, float], ...] = ()
 
 
+class Tokens(msgspec.Struct, frozen=True):
+    """Consecutive :class:`Token` events of one stream that were queued together (paced, or several from one step):
+    the pipeline's ``decode`` stage hands them on as one, so later stages make one frame of them."""
+
+    tokens: tuple[Token, ...]
+
+
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
     """The last event of every stream. ``reason``: ``stop`` (a stop token, or the pipeline ended the request:
     a stop sequence, a parser), ``length``, ``cancelled``."""
@@ -203,6 +210,14 @@ class RequestHandle:
         if not self.done:
             self.done = True
             self._engine.cancel(self.request_id, reason)
+
+    def take_tokens(self) -> list[Token]:
+        """The :class:`Token` events queued now, up to the first event of another kind (taken off the queue)."""
+        taken: list[Token] = []
+        events = self._events
+        while events and type(events[0]) is Token:
+            taken.append(events.popleft())
+        return taken
 
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[EngineEvent | None]:
         """Yield engine events until the stream ends; yield ``None`` after ``keepalive_s`` of silence."""

@@ -74,7 +74,7 @@ class EngineCore:
                  deliver: Callable[[Any], None] | None = None,
                  record: Callable[[Command], None] | None = None) -> None:
         self.config = config
-        self.table = RequestTable()
+        self.table = RequestTable(config.stream_updates_per_s)
         # max_running 0: derived from the memory budget at warm-up (until then one row).
         self.scheduler = Scheduler(max_running=config.max_running or 1, max_waiting=config.max_waiting,
                                    step_token_budget=config.step_token_budget)

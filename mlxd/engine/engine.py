@@ -285,7 +285,7 @@ class BatchedEngine:
         with self.core.table.lock:
             self.failure = reason
         self.core.end_all(message)
-        self.core.table.send()
+        self.core.table.send(flush=True)
         if self.on_failure is not None:
             try:
                 self.on_failure(reason)

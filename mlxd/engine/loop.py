@@ -77,7 +77,7 @@ class EngineLoop:
                     self._idle()
                 core.table.send()
         finally:
-            core.table.send()
+            core.table.send(flush=True)
 
     def step(self) -> None:
         """One engine step: plan (the scheduler) → run the plan → post-process (each phase timed)."""

@@ -2,8 +2,8 @@
 
 A request is *pending* from :meth:`RequestTable.add_pending` (the event loop, under :attr:`RequestTable.lock`) until
 the engine thread applies its ``Accept``; then it is *held* until a ``Drop`` (or ``Cancel``, ``EndAll``, ``Stop``)
-lets it go. Events of a step are collected in an outbox and handed to the event loops together (:meth:`send`).
-Plain Python: no MLX.
+lets it go. Events of a step are collected in an outbox and handed to the event loops together (:meth:`send`), a
+stream's tokens paced when there are many streams (:mod:`mlxd.engine.pacing`). Plain Python: no MLX.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxd.engine.base import EngineRequest, Failed, Finished, RequestHandle, Token
+from mlxd.engine.pacing import StreamPacer
 from mlxd.engine.schedule.scheduler import SequenceState
 
 TOTALS = (
@@ -48,12 +49,13 @@ class Submitted:
 class RequestTable:
     """Pending and held requests, their events and the engine's request counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream_updates_per_s: float = 0) -> None:
         # Guards ``pending`` and the scheduler's queues (the event loop reads them; the engine thread changes them).
         self.lock = threading.Lock()
         self.pending: dict[str, Submitted] = {}  # submitted on the event loop, not applied yet
         self._held: dict[str, Submitted] = {}
         self._outbox: list[tuple[RequestHandle, Any]] = []
+        self.pacer = StreamPacer(stream_updates_per_s)
         self.totals = dict.fromkeys(TOTALS, 0)
         self.mean_duration_s: float | None = None  # recent requests, admitted to finished (for Retry-After)
 
@@ -102,11 +104,14 @@ class RequestTable:
         if submitted.handle is not None:
             self._outbox.append((submitted.handle, event))
 
-    def send(self) -> None:
-        """Hand this step's events to the event loops, together."""
-        if self._outbox:
+    def send(self, flush: bool = False) -> None:
+        """Hand this step's events to the event loops, together, but the tokens the pacer holds back; ``flush``
+        hands everything (the engine thread is ending)."""
+        if self._outbox or self.pacer.num_held:
             events, self._outbox = self._outbox, []
-            RequestHandle.push_all(events)
+            events = self.pacer.release(events, len(self._held), flush=flush)
+            if events:
+                RequestHandle.push_all(events)
 
     def emit_all(self, submitted: Submitted, tokens: list[int], logprobs: list | None) -> tuple[str | None, int]:
         """Emit a row's tokens of this step in order, up to the one that finishes it: the reason, if one did, and

@@ -4,7 +4,8 @@
 and images (``template``), the path and decode mode (``route``), the chunk plan (``prefill``). ``parse``, later,
 adds its grammar to it. ``stream`` submits it to the engine (which answers ``Overloaded``, a 429, when its queue is
 full), where it decodes in one batch with every other running request, and relays the engine's token events;
-closing the stream (the client went away, or a later stage has what it needs) ends the request in the engine.
+closing the stream (the client went away, or a later stage has what it needs) ends the request in the engine. Tokens
+that came together (paced by the engine, or several of one step) go on as one :class:`~mlxd.engine.base.Tokens`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token
+from mlxd.engine.base import EngineRequest, Failed, Finished, Progress, Token, Tokens
 from mlxd.errors import EngineError, PipelineError, RequestError
 from mlxd.pipeline.events import KeepAlive
 from mlxd.pipeline.job import Job
@@ -67,7 +68,8 @@ class Decode(Stage):
             last_progress = time.monotonic()
             async for event in handle.events(self.keepalive_s):
                 if type(event) is Token:  # nearly every event: nothing to check
-                    yield event
+                    more = handle.take_tokens()
+                    yield Tokens((event, *more)) if more else event
                 elif event is None:
                     yield KeepAlive()
                 elif isinstance(event, Progress):

@@ -1,7 +1,8 @@
 """``detokenize``: token ids → text, with stop sequences cut exactly (:mod:`mlxd.pipeline.stops`, in linear time)
 and special tokens kept out of content.
 
-It makes :class:`ContentDelta`, :class:`TokenLogprobs` and :class:`Done` events. Special tokens that a later stage
+It makes :class:`ContentDelta`, :class:`TokenLogprobs` and :class:`Done` events: one of each for tokens that came
+together (:class:`~mlxd.engine.base.Tokens`). Special tokens that a later stage
 needs (``Job.keep_token_ids``: tool-call and channel markers, for ``parse``) stay in the text.
 """
 
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from mlxd.engine.base import Finished, Token
+from mlxd.engine.base import Finished, Token, Tokens
 from mlxd.pipeline.detokenizer import make_detokenizer
 from mlxd.pipeline.events import ContentDelta, Done, TokenLogprob, TokenLogprobs, TopLogprob
 from mlxd.pipeline.job import Job
@@ -41,7 +42,8 @@ class Detokenize(Stage):
         num_tokens = 0
         async with aclosing(events):
             async for event in events:
-                if type(event) is not Token:
+                kind = type(event)
+                if kind is not Token and kind is not Tokens:
                     if not isinstance(event, Finished):
                         yield event
                         continue
@@ -51,12 +53,11 @@ class Detokenize(Stage):
                         yield ContentDelta(text)
                     yield _done(job, "stop" if stop else event.reason, num_tokens, event, stop_sequence=stop)
                     return
-                num_tokens += 1
-                if event.logprob is not None:
-                    yield self._logprobs(event)
-                if event.token in skipped:
-                    continue
-                text, stop = cutter.feed(detokenizer.add(event.token))
+                tokens = (event,) if kind is Token else event.tokens
+                entries, text, stop, used = self._feed(tokens, detokenizer, cutter, skipped)
+                num_tokens += used
+                if entries:
+                    yield TokenLogprobs(tuple(entries))
                 if text:
                     yield ContentDelta(text)
                 if stop:
@@ -64,10 +65,28 @@ class Detokenize(Stage):
                     yield _done(job, "stop", num_tokens, stop_sequence=stop)
                     return
 
-    def _logprobs(self, token: Token) -> TokenLogprobs:
+    def _feed(self, tokens: tuple[Token, ...], detokenizer: Any, cutter: StopCutter,
+              skipped: frozenset[int]) -> tuple[list[TokenLogprob], str, str | None, int]:
+        """Tokens that came together → their log-probabilities, their text (one delta), the stop sequence that
+        matched (the tokens after it are not counted) and how many tokens count."""
+        entries: list[TokenLogprob] = []
+        texts: list[str] = []
+        for used, token in enumerate(tokens, 1):
+            if token.logprob is not None:
+                entries.append(self._logprob(token))
+            if token.token in skipped:
+                continue
+            text, stop = cutter.feed(detokenizer.add(token.token))
+            if text:
+                texts.append(text)
+            if stop:
+                return entries, "".join(texts), stop, used
+        return entries, "".join(texts), None, len(tokens)
+
+    def _logprob(self, token: Token) -> TokenLogprob:
         text = self.tokenizer.decode([token.token])
         top = tuple(TopLogprob(i, self.tokenizer.decode([i]), lp) for i, lp in token.top)
-        return TokenLogprobs((TokenLogprob(token=token.token, text=text, logprob=token.logprob, top=top),))
+        return TokenLogprob(token=token.token, text=text, logprob=token.logprob, top=top)
 
 
 def _done(job: Job, reason: str, num_tokens: int, finished: Finished | None = None,
