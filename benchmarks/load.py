@@ -13,6 +13,11 @@ prompts of its own, seen by no earlier request (no prefix cache serves a round f
 client and chosen so that greedy decoding does not hit an end-of-sequence token within ``--max-tokens``, so every
 stream runs to its length; ``--prompt-words`` sets their length.
 
+For each mlxd run, its engine's steps during the run (read from ``/v1/status`` before and after): how many, the
+run's wall time over them, and the milliseconds the engine thread accounted a step by phase; the wall time beyond
+the phases' sum went between the steps. A ``BatchGenerator`` run that runs out of device memory (beside servers that
+share the device) is reported as failed and the rounds go on.
+
 For mlxd (and the baseline mlxd), the first pass at the highest concurrency right after ``/health`` turns 200 is
 reported apart, beside the pass that follows it (median time to first token, aggregate tokens/s): what warm-up
 leaves for the first clients to pay. Both passes use prompts of their own, seen by no earlier request, so that
@@ -64,6 +69,9 @@ class Result:
     # CPU time of the server's main thread (mlxd: the event loop) and of its whole process, per streamed token
     loop_us_per_token: float | None = None
     process_us_per_token: float | None = None
+    # mlxd: its engine's steps during the run and their mean milliseconds by phase (/v1/status's step_ms)
+    engine_steps: int | None = None
+    step_ms: dict[str, float] | None = None
 
 
 # ---- prompts ----
@@ -113,6 +121,21 @@ def direct_generate_step(model, tokenizer, prompt: str, max_tokens: int) -> Resu
 
 
 def direct_batch_generator(model, tokenizer, prompts: list[str], max_tokens: int) -> Result:
+    """mlx-lm's BatchGenerator on all ``prompts`` at once, decode only; a run that runs out of device memory (beside
+    the servers sharing the device) is reported as failed, and the comparison goes on without it."""
+    import mlx.core as mx
+
+    try:
+        return _batch_generator_run(model, tokenizer, prompts, max_tokens)
+    except RuntimeError as e:
+        if "out of memory" not in str(e).lower():
+            raise
+        print(f"BatchGenerator at {len(prompts)} rows ran out of device memory: {e}", flush=True)  # noqa: T201
+        mx.clear_cache()
+        return Result("mlx-lm BatchGenerator", len(prompts), 0, None, None, 0.0, failed=len(prompts))
+
+
+def _batch_generator_run(model, tokenizer, prompts: list[str], max_tokens: int) -> Result:
     from mlx_lm.generate import BatchGenerator
 
     n = len(prompts)
@@ -181,8 +204,10 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
     """``pid``: the server's process, whose main thread's CPU time (mlxd's event loop) and whole CPU time per
     streamed token the result reports (on Linux)."""
     measure = pid is not None and Path(f"/proc/{pid}/task/{pid}/stat").exists()
+    steps_before = await engine_steps(port) if label.startswith("mlxd") else None
     before = (cpu_s(pid, pid), cpu_s(pid)) if measure else None
     runs = await asyncio.gather(*[stream_one(port, model, p, max_tokens, api) for p in prompts])
+    steps = step_phases(steps_before, await engine_steps(port)) if steps_before is not None else (None, None)
     tokens = sum(n for _, _, n in runs)
     per_token = [(cpu_s(pid, pid) - before[0]) * 1e6 / max(tokens, 1),
                  (cpu_s(pid) - before[1]) * 1e6 / max(tokens, 1)] if before is not None else [None, None]
@@ -198,7 +223,35 @@ async def http_load(label: str, port: int, model: str, prompts: list[str], max_t
                   tokens / (last - sent), statistics.median(ttfts),
                   max(t[0] for _, t, _ in runs if t) - first,
                   gaps[int(0.9 * (len(gaps) - 1))] * 1000 if gaps else None, gaps[-1] * 1000 if gaps else None,
-                  failed, *per_token)
+                  failed, *per_token, *steps)
+
+
+async def engine_steps(port: int) -> tuple[int, dict[str, float]] | None:
+    """mlxd's engine step count and mean milliseconds a step by phase, from /v1/status (None if it has none)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        status = (await client.get(f"http://127.0.0.1:{port}/v1/status")).json()
+    found = _find_steps(status)
+    return (found["num_steps"], found["step_ms"]) if found is not None else None
+
+
+def _find_steps(value) -> dict | None:
+    if isinstance(value, dict):
+        if "step_ms" in value and "num_steps" in value:
+            return value
+        value = list(value.values())
+    if isinstance(value, list):
+        return next((found for item in value if (found := _find_steps(item)) is not None), None)
+    return None
+
+
+def step_phases(before, after) -> tuple[int | None, dict[str, float] | None]:
+    """The steps between two :func:`engine_steps` readings and their mean milliseconds by phase."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None, None
+    (n0, ms0), (n1, ms1) = before, after
+    return n1 - n0, {phase: (ms1[phase] * n1 - ms0.get(phase, 0.0) * n0) / (n1 - n0) for phase in ms1}
 
 
 @dataclasses.dataclass
@@ -352,6 +405,24 @@ def table(results: list[Result]) -> str:
         lines.append(f"| {r.label} | {r.concurrency} | {tokens} | {ttft} | {spread} | {itl} | "
                      f"{r.tokens_per_s:.0f} | {cpu} |")
     return "\n".join(lines)
+
+
+def step_table(results: list[Result]) -> str:
+    """mlxd's engine steps in each run: how many, the run's wall time over them (from the first request sent to the
+    last token), and the milliseconds the engine thread accounted a step by phase; what the wall time has beyond the
+    phases' sum went outside the engine's steps (between them: commands, hand-overs, waiting for the interpreter
+    lock)."""
+    rows = [r for r in results if r.engine_steps]
+    if not rows:
+        return ""
+    phases = list(rows[0].step_ms)
+    lines = ["| engine | streams | steps | wall ms a step | " + " | ".join(phases) + " | phases' sum |",
+             "|---|---|---|---|" + "---|" * (len(phases) + 1)]
+    for r in rows:
+        wall_ms = r.tokens / r.tokens_per_s / r.engine_steps * 1000 if r.tokens_per_s else 0.0
+        lines.append(f"| {r.label} | {r.concurrency} | {r.engine_steps} | {wall_ms:.2f} | "
+                     + " | ".join(f"{r.step_ms[p]:.2f}" for p in phases) + f" | {sum(r.step_ms.values()):.2f} |")
+    return "\n\nmlxd's engine steps during each run (its /v1/status):\n\n" + "\n".join(lines)
 
 
 def first_pass_report(passes: list[FirstPass], rounds: list[list[Result]] | None = None) -> str:
@@ -521,7 +592,7 @@ def main() -> None:
     report = "\n\n".join([
         f"Model: `{args.model}`; {args.max_tokens} tokens per stream, greedy; best of {args.repeats} interleaved "
         "rounds.",
-        table(results),
+        table(results) + step_table(results),
         ratios(results),
         round_ratios(rounds),
         *([first_pass_report(passes, rounds)] if passes else []),
@@ -572,7 +643,7 @@ def run_all(args, model, tokenizer, prompts: list[str], levels: list[int], tmp: 
                 key = (run.label, run.concurrency)
                 if key not in best or run.tokens_per_s > best[key].tokens_per_s:
                     best[key] = run
-            print(table(sorted(best.values(), key=_order)), flush=True)
+            print(table(sorted(best.values(), key=_order)) + step_table(runs), flush=True)
     return sorted(best.values(), key=_order), passes, rounds
 
 

@@ -1,0 +1,57 @@
+"""benchmarks/load.py's bookkeeping: the engine step phases it reads from mlxd's /v1/status between two readings,
+and an in-process BatchGenerator run that runs out of device memory reported as failed instead of ending the
+comparison (it did, beside three servers on one H200)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def load_py():
+    spec = importlib.util.spec_from_file_location("bench_load", ROOT / "benchmarks" / "load.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_load"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_phases_between_two_readings(load_py):
+    status = {"models": {"bench": {"engine": {"num_steps": 30, "step_ms": {"prefill": 3.0, "decode_build": 5.0}}}}}
+    after = load_py._find_steps(status)
+    assert after["num_steps"] == 30
+    steps, phases = load_py.step_phases((10, {"prefill": 2.0, "decode_build": 5.0}), (30, after["step_ms"]))
+    # 90 ms of prefill over 30 steps, 20 of them over the first 10: 70 over the 20 steps between
+    assert steps == 20 and phases == {"prefill": 3.5, "decode_build": 5.0}
+    assert load_py.step_phases((30, {}), (30, {})) == (None, None)  # no step ran
+    assert load_py._find_steps([{"other": 1}, {"x": {"num_steps": 1, "step_ms": {}}}]) == {"num_steps": 1,
+                                                                                          "step_ms": {}}
+    assert load_py._find_steps({"engine": None}) is None
+
+
+class _Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [1, 2, 3]
+
+
+def test_a_batch_generator_run_out_of_device_memory_is_a_failed_run(load_py, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr(load_py, "_batch_generator_run", out_of_memory)
+    result = load_py.direct_batch_generator(object(), _Tokenizer(), ["a", "b"], 8)
+    assert (result.label, result.concurrency, result.tokens, result.failed) == ("mlx-lm BatchGenerator", 2, 0, 2)
+    assert result.tokens_per_s == 0.0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(load_py, "_batch_generator_run", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        load_py.direct_batch_generator(object(), _Tokenizer(), ["a"], 8)
