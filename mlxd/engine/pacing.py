@@ -40,31 +40,28 @@ class StreamPacer:
         now = self._clock()
         interval_s = num_streams / self.updates_per_s
         out: Outbox = []
-        last = self._last
+        last, holding = self._last, self._held
         for handle, event in outbox:
-            held = self._held.get(handle)
+            held = holding.get(handle)
             if held is not None:
                 held.append(event)
             elif not flush and type(event) is Token and now - last.get(handle, -math.inf) < interval_s:
-                self._held[handle] = [event]
+                holding[handle] = [event]
             else:
                 out.append((handle, event))
                 if type(event) is Token:  # a prompt's progress reports do not count
-                    self._last[handle] = now
-        for handle, held in list(self._held.items()):
-            if flush or now - self._last[handle] >= interval_s or isinstance(held[-1], LAST_EVENTS):
+                    last[handle] = now
+        for handle, held in list(holding.items()):
+            if flush or now - last[handle] >= interval_s or isinstance(held[-1], LAST_EVENTS):
                 out.extend((handle, event) for event in held)
-                del self._held[handle]
-                self._last[handle] = now
-        return self._forget_ended(out)
+                del holding[handle]
+                last[handle] = now
+        for handle, event in out:  # ended streams are forgotten
+            if isinstance(event, LAST_EVENTS):
+                last.pop(handle, None)
+        return out
 
     @property
     def num_held(self) -> int:
         """Streams with events held now."""
         return len(self._held)
-
-    def _forget_ended(self, out: Outbox) -> Outbox:
-        for handle, event in out:
-            if isinstance(event, LAST_EVENTS):
-                self._last.pop(handle, None)
-        return out

@@ -180,8 +180,9 @@ MAX_PASS_TOKENS = 32768
 def max_pass_tokens(budget: MemoryBudget, step_token_budget: int, wide: bool | None = None) -> int:
     """The prompt tokens one pass of whole prompts may hold at most: the room beside the weights over the measured
     bytes per token, in ``[step_token_budget, MAX_PASS_TOKENS]``. On an H200 beside a bf16 8B model with a 48 GiB
-    share (35 GB of room, 1.2 MB a token measured), that is 29,900: a burst of 64 prompts of 260 tokens (16,640) in
-    one pass, which the scheduler starts when its reservations leave the room (3.7 GB for those 64 rows).
+    share (37.6 GB of room, 1.23-1.45 MB a token measured), that is 26,000-30,000: a burst of 64 prompts of 260
+    tokens (16,640) in one pass, which the scheduler starts when its reservations leave the room (3.7 GB for those
+    64 rows).
 
     Only where wide passes pay (``wide``, default: GPU backends, where a pass of 16k tokens costs little more than
     one of 512 per token and far less in all than 32 of them). On the CPU a pass costs its tokens' compute whatever
