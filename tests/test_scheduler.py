@@ -213,6 +213,31 @@ def test_a_burst_of_whole_prompts_starts_in_one_step_up_to_max_pass_tokens():
     assert started == ["p0", "p1", "p2"]
 
 
+def test_a_burst_does_not_stop_at_a_prompt_that_starts_from_a_cached_state():
+    """16 prompts of 256 tokens, 4 of them (every fourth) starting from a cached state of 40 tokens (a prefix-cache
+    hit): all 16 start in one step, the 12 whole prompts in one group pass and the 4 rests in another, where
+    before the burst stopped at the first rest and the prompts behind it waited a whole pass. A rest still counts
+    against max_pass_tokens."""
+    def burst(max_pass_tokens: int) -> tuple[list[str], list[list[str]]]:
+        scheduler = Scheduler(max_running=17, max_waiting=16, step_token_budget=512)
+        scheduler.max_pass_tokens = max_pass_tokens
+        for i in range(16):
+            sequence = seq(f"p{i}", 256, chunk=512)
+            if i % 4 == 2:
+                sequence.num_prefilled = sequence.num_cached_tokens = 40
+            scheduler.add(sequence)
+        plan = scheduler.schedule()
+        return [s.request_id for s, _ in plan.prefill], [[s.request_id for s in g] for g in prompts_to_batch(
+            plan.prefill)]
+
+    started, groups = burst(16384)
+    rests = [f"p{i}" for i in (2, 6, 10, 14)]
+    assert started == [f"p{i}" for i in range(16)]
+    assert sorted(map(sorted, groups)) == sorted([sorted(set(started) - set(rests)), sorted(rests)])
+    started, _ = burst(256 + 216 + 256)  # p0, p1 (whole, the first in the step's budget), p2's rest of 216
+    assert started == ["p0", "p1", "p2"]
+
+
 def test_a_burst_pass_and_the_reservations_fit_the_room_together():
     """With the pass's bytes measured (10 a token here) the burst stops where its padded pass and every
     reservation, its own rows' included, would exceed kv_budget_bytes: 32 prompts of 256 fit 85,220 bytes

@@ -290,7 +290,10 @@ class Scheduler:
         """Admit whole text prompts from the head of the queue, in order, while this step's whole prompts hold at
         most ``max_pass_tokens`` tokens together and their pass fits beside the reservations
         (:meth:`_pass_fits`): a burst starts in one pass (:func:`prompts_to_batch` groups them) instead of
-        ``step_token_budget`` at a time, while every decoding request still gets its token this step."""
+        ``step_token_budget`` at a time, while every decoding request still gets its token this step. The rest of
+        a prompt that starts from a cached state (a prefix-cache hit: a shared system prompt) is admitted with
+        them, in a pass of such rests in the same step: a burst does not stop at it and leave the requests behind
+        it a whole pass later."""
         whole = [n for s, n in prefill if _whole_text(s, n)]
         total, rows, longest = sum(whole), len(whole), max(whole, default=0)
         chosen = []
@@ -353,8 +356,9 @@ def _as_is(num_rows: int) -> int:
 
 
 def _whole_text(sequence: SequenceState, num_tokens: int) -> bool:
-    """Whether this chunk is a whole text prompt from its start (what a group pass of fresh prompts takes)."""
-    return sequence.num_prefilled == 0 and num_tokens == sequence.num_prompt_tokens and not sequence.vision
+    """Whether this chunk is the whole of a text prompt still to run: from its start (what a group pass of fresh
+    prompts takes), or from a cached state on (what a group pass of rests takes)."""
+    return num_tokens == sequence.num_prompt_remaining and not sequence.vision
 
 
 def prompts_to_batch(chunks: list[tuple[SequenceState, int]]) -> list[list[SequenceState]]:
