@@ -47,6 +47,7 @@ from mlxd.engine.prefix import PromptReuse, is_trimmable
 from mlxd.engine.requests import RequestTable, Submitted
 from mlxd.engine.schedule.memory import MemoryBudget, RunningLimit, max_pass_tokens, measure_memory
 from mlxd.engine.schedule.scheduler import Scheduler, SequenceState, prompts_to_batch
+from mlxd.engine.step.prompts import group_bucket
 from mlxd.engine.step.row import Refused, make_request_cache
 from mlxd.engine.step.runner import StepRunner
 from mlxd.engine.step.steptimes import StepTimes
@@ -78,7 +79,7 @@ class EngineCore:
         # max_running 0: derived from the memory budget at warm-up (until then one row).
         self.scheduler = Scheduler(max_running=config.max_running or 1, max_waiting=config.max_waiting,
                                    step_token_budget=config.step_token_budget)
-        self.reuse = PromptReuse(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
+        self.reuse = PromptReuse(config.prefix_cache_bytes, config.prefix_cache_min_tokens, align=group_bucket())
         self.memory: MemoryBudget | None = None  # measured at warm-up
         # max_running and where it came from (the config, or derived from the memory budget at warm-up).
         self.running_limit = RunningLimit(config.max_running, "config" if config.max_running else "derived")
