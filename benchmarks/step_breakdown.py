@@ -259,6 +259,10 @@ def main() -> None:
                         help="comma list of what to measure: matmul, floor, batch, host, generator, engine")
     parser.add_argument("--kernel-ab", action="store_true",
                         help="CUDA: run every part with mlxd's small-batch kernel and with MLX's matmul, in turn")
+    parser.add_argument("--prefix-cache-gb", type=float, default=0.0,
+                        help="the engine's [engine] prefix_cache_bytes in GiB (the server's default is 2; 0: off)")
+    parser.add_argument("--memory-gb", type=float, default=0.0,
+                        help="the engine's [engine] memory_limit_bytes in GiB (0: the device's default)")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
     parser.add_argument("--json", help="also write every point's best result here (label, streams, score)")
     args = parser.parse_args()
@@ -276,7 +280,9 @@ def main() -> None:
     texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
     prompts = [tokenizer.encode(t) for t in texts]
     modes = kernel_modes(model) if args.kernel_ab else {"": lambda: None}
-    engine = BatchedEngine(model, EngineConfig(max_running=max(levels), prefix_cache_bytes=0))
+    engine = BatchedEngine(model, EngineConfig(max_running=max(levels),
+                                               prefix_cache_bytes=int(args.prefix_cache_gb * 1024**3),
+                                               memory_limit_bytes=int(args.memory_gb * 1024**3)))
     engine.start()
     embed = model.model.embed_tokens.weight if hasattr(model, "model") else None
     dtype = embed.dtype if embed is not None else mx.bfloat16
