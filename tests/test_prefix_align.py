@@ -41,7 +41,9 @@ def test_a_hit_is_trimmed_to_the_alignment_and_continues_like_the_whole_prompt(t
     assert reuse.aligned(reuse.cache.lookup(prompt, 8)).num_cached == 32
     reuse.min_tokens = 33  # 32 would no longer be worth reusing: the hit stays as found
     assert reuse.lookup(prompt).num_cached == 35
-    reuse.min_tokens, reuse.align = 8, 1
+    reuse.min_tokens = 8
+    assert reuse.lookup(prompt, align=False).num_cached == 35  # an image prompt's hit: never cut
+    reuse.align = 1
     assert reuse.lookup(prompt).num_cached == 35
 
 

@@ -200,7 +200,7 @@ class EngineCore:
             if submitted.state.vision:  # the route stage's decision, carried on the request (never decided again)
                 submitted.state.encoding = self._vision().hold(submitted.request)
             submitted.cache_key = prompt_key(submitted.request)
-            self._start_after(submitted, self.reuse.lookup(submitted.cache_key))
+            self._start_after(submitted, self.reuse.lookup(submitted.cache_key, align=not submitted.state.vision))
         except Exception as e:  # noqa: BLE001 - this request fails with it (reported, not swallowed)
             with self.table.lock:
                 self.table.pending.pop(request_id, None)

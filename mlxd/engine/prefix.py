@@ -44,12 +44,14 @@ class PromptReuse:
         # A trimmable hit is cut back to a multiple of this many tokens (the engine's: its device's group bucket).
         self.align = align
 
-    def lookup(self, prompt: Sequence[int]) -> Hit:
+    def lookup(self, prompt: Sequence[int], *, align: bool = True) -> Hit:
         """The longest state worth reusing: one that covers at least ``min_tokens``. A shorter one (a chat
         template's first tokens, a short system prompt) saves less than it costs: a prompt that starts from a cached
         state runs its rest in a pass with other such rests (:func:`mlxd.engine.step.prompts.process_continuations`),
-        not in one pass with the whole prompts arriving with it. The hit is :meth:`aligned`."""
-        return self.aligned(self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS)
+        not in one pass with the whole prompts arriving with it. With ``align`` (text prompts: an image prompt's
+        hit must not end inside an image's tokens) the hit is :meth:`aligned`."""
+        hit = self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS
+        return self.aligned(hit) if align else hit
 
     def aligned(self, hit: Hit) -> Hit:
         """``hit`` trimmed back to a multiple of ``align`` tokens where its layers can be trimmed and what is left
