@@ -38,7 +38,8 @@ def test_a_hit_is_trimmed_to_the_alignment_and_continues_like_the_whole_prompt(t
     whole = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0, -1]
     assert mx.allclose(logits, whole, atol=1e-4).item()
 
-    assert reuse.aligned(reuse.cache.lookup(prompt, 8)).num_cached == 32
+    assert reuse.cache.lookup(prompt, 8, align=16).num_cached == 32
+    assert reuse.stats()["num_tokens_reused"] == 64  # what the two hits reuse, not what the entry held
     reuse.min_tokens = 33  # 32 would no longer be worth reusing: the hit stays as found
     assert reuse.lookup(prompt).num_cached == 35
     reuse.min_tokens = 8

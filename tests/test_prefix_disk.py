@@ -249,6 +249,22 @@ def test_a_hit_from_disk_names_its_entry_and_discarding_it_deletes_the_file(llam
         engine.stop()
 
 
+def test_a_hit_from_disk_is_cut_back_to_the_alignment(llama, tmp_path):
+    """A hit read back from disk is aligned as a memory hit is: its state trimmed to a multiple of 16 tokens, and
+    the tokens reused counted as such."""
+    model, tokenizer = llama
+    prompt = tokenizer.encode(LONG_TEXT)
+    serve_and_stop(model, tmp_path, prompt)
+    engine = started(model, tmp_path)
+    try:
+        hit = engine.reuse.cache.lookup(prompt, 1, align=16)
+        assert (len(prompt) - 1) % 16 and hit.num_cached == (len(prompt) - 1) // 16 * 16
+        assert all(layer.offset == hit.num_cached for layer in hit.cache)
+        assert engine.reuse.stats()["num_tokens_reused"] == hit.num_cached
+    finally:
+        engine.stop()
+
+
 def test_a_folder_that_cannot_be_used_stops_the_start_naming_the_field(llama, tmp_path):
     model, _ = llama
     (tmp_path / "a-file").write_text("not a folder")

@@ -49,26 +49,11 @@ class PromptReuse:
         template's first tokens, a short system prompt) saves less than it costs: a prompt that starts from a cached
         state runs its rest in a pass with other such rests (:func:`mlxd.engine.step.prompts.process_continuations`),
         not in one pass with the whole prompts arriving with it. With ``align`` (text prompts: an image prompt's
-        hit must not end inside an image's tokens) the hit is :meth:`aligned`."""
-        hit = self.cache.lookup(prompt, self.min_tokens) if self.cache is not None else MISS
-        return self.aligned(hit) if align else hit
-
-    def aligned(self, hit: Hit) -> Hit:
-        """``hit`` trimmed back to a multiple of ``align`` tokens where its layers can be trimmed and what is left
-        still covers ``min_tokens``; the tokens trimmed run with the rest of the prompt.
-
-        A pass of rests attends over the cached tokens and the rests, padded: with the cached length rounded as the
-        rests' is (:func:`mlxd.engine.step.prompts.group_width`), its shapes repeat from one burst to the next, as
-        whole prompts' do, instead of taking every cached length a shared system prompt happens to have. MLX's CUDA
-        backend builds work for each new shape: on an H200 (Qwen3-8B shape) a pass of 4 rests of 256 tokens after
-        35 cached took 147-150 ms the first time and 38-48 ms after."""
-        extra = hit.num_cached % self.align
-        if (hit.cache is None or not extra or hit.num_cached - extra < self.min_tokens
-                or not is_trimmable(hit.cache)):
-            return hit
-        for layer in hit.cache:
-            layer.trim(extra)
-        return Hit(hit.cache, hit.num_cached - extra, hit.kind, hit.entry)
+        hit must not end inside an image's tokens) the hit is cut back to a multiple of :attr:`align` tokens
+        (:func:`mlxd.cache.prefix_cache._aligned`)."""
+        if self.cache is None:
+            return MISS
+        return self.cache.lookup(prompt, self.min_tokens, self.align if align else 1)
 
     def keep(self, tokens: Sequence[int], layers: Sequence[Any]) -> None:
         """Snapshot ``layers``, which hold exactly ``tokens`` (batch size 1). A snapshot that cannot be taken (the
