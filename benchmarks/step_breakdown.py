@@ -263,6 +263,8 @@ def main() -> None:
                         help="the engine's [engine] prefix_cache_bytes in GiB (the server's default is 2; 0: off)")
     parser.add_argument("--memory-gb", type=float, default=0.0,
                         help="the engine's [engine] memory_limit_bytes in GiB (0: the device's default)")
+    parser.add_argument("--prompt-words", type=int, default=8,
+                        help="tag words added to each prompt (load.py's --prompt-words: 240 gives ~256 tokens)")
     parser.add_argument("--out", help="write a markdown section here (else print it)")
     parser.add_argument("--json", help="also write every point's best result here (label, streams, score)")
     args = parser.parse_args()
@@ -277,7 +279,7 @@ def main() -> None:
     model, tokenizer = load(path)
     levels = [int(s) for s in args.streams.split(",")]
     parts = set(args.parts.split(","))
-    texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens)
+    texts = pick_prompts(model, tokenizer, max(levels), args.max_tokens, args.prompt_words)
     prompts = [tokenizer.encode(t) for t in texts]
     modes = kernel_modes(model) if args.kernel_ab else {"": lambda: None}
     engine = BatchedEngine(model, EngineConfig(max_running=max(levels),
