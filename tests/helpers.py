@@ -26,7 +26,7 @@ CHAT_PIPELINE = ROOT / "mlxd" / "pipelines" / "chat.toml"
 
 
 # For tests of prefix-cache hits on short prompts: reuse any cached state, however short (by default a state is
-# reused only when it covers 32 tokens or more: [engine] prefix_cache_min_tokens).
+# reused only when it covers 64 tokens or more: [engine] prefix_cache_min_tokens).
 SHORT_HITS = "[engine]\nprefix_cache_min_tokens = 1\n"
 
 

@@ -330,7 +330,8 @@ def test_prompts_starting_from_cached_states_of_different_lengths_continue_in_on
     earlier = [(13 * j) % 200 + 10 for j in range(50)]
     prompts = [earlier[:cached] + [(90 + 7 * i + j) % 200 + 10 for j in range(rest)]
                for i, (cached, rest) in enumerate([(35, 5), (40, 12), (45, 20)])]
-    config = EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64, gather_ms=100.0)
+    config = EngineConfig(max_running=4, step_token_budget=256, prefill_chunk=64, gather_ms=100.0,
+                          prefix_cache_min_tokens=32)  # hits of 35-45 tokens are reused
     prefill_calls, got = prefill_passes_after_a_cached_prompt(model, config, earlier, prompts)
     assert prefill_calls == [(3, 20)], prefill_calls  # without it: (1, 5), (1, 12), (1, 20)
     for prompt, tokens in zip(prompts, got, strict=True):

@@ -42,7 +42,7 @@ def broken_state(model, num_tokens: int) -> list:
                                                     ("tiny_qwen3_next_dir", "prefix")])
 def test_a_state_that_fails_on_use_is_dropped_and_the_request_runs_cold(model_fixture, kind, request):
     model, tokenizer = load(str(request.getfixturevalue(model_fixture)))
-    engine = BatchedEngine(model, EngineConfig(max_running=2, prefill_chunk=32))
+    engine = BatchedEngine(model, EngineConfig(max_running=2, prefill_chunk=32, prefix_cache_min_tokens=32))
     engine.start()
     try:
         prompt = tokenizer.encode(PROMPT)
@@ -81,7 +81,7 @@ def test_a_broken_state_in_a_shared_pass_fails_only_its_own_request_and_it_runs_
     """Rests of prompts that start from cached states share one forward pass; one broken state fails the pass, the
     rows are retried alone, and only the broken one runs again from its start."""
     model, tokenizer = load(str(tiny_model_dir))
-    engine = BatchedEngine(model, EngineConfig(max_running=4, prefill_chunk=256))
+    engine = BatchedEngine(model, EngineConfig(max_running=4, prefill_chunk=256, prefix_cache_min_tokens=32))
     engine.start()
     try:
         good, bad = (tokenizer.encode(f"Agent {name}: " + PROMPT) for name in ("one", "two"))

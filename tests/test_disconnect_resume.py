@@ -55,7 +55,8 @@ class Commands:
 
 
 def make_core(model: Any) -> EngineCore:
-    core = EngineCore(model, EngineConfig(max_running=2, prefill_chunk=CHUNK), make_sampler=make_request_sampler)
+    core = EngineCore(model, EngineConfig(max_running=2, prefill_chunk=CHUNK, prefix_cache_min_tokens=32),
+                      make_sampler=make_request_sampler)
     core.warm_up()
     return core
 
@@ -251,7 +252,7 @@ def slow_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, int, Pa
     between chunks; yields its base URL, port and JSON log."""
     tmp = tmp_path_factory.mktemp("disconnect_resume")
     port = free_port()
-    config = write_config(tmp, tiny_model_dir, port=port, extra=f"[engine]\nprefill_chunk = {CHUNK}\n")
+    config = write_config(tmp, tiny_model_dir, port=port, extra=f"[engine]\nprefill_chunk = {CHUNK}\nprefix_cache_min_tokens = 32\n")
     log_path = tmp / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.slow_prompt_server", str(config)], stdout=log,

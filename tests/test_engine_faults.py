@@ -305,7 +305,8 @@ def test_a_failing_pass_over_the_rests_of_cached_prompts_is_retried_one_by_one(r
     rests[1][3] = POISON
     prompts_in = [earlier[:cached] + rest for cached, rest in zip([35, 40, 45], rests, strict=True)]
     good = [solo(model, prompts_in[i], 6) for i in (0, 2)]
-    with faulty_engine(model, max_running=4, step_token_budget=256, gather_ms=100.0) as (engine, faulty):
+    with faulty_engine(model, max_running=4, step_token_budget=256, gather_ms=100.0,
+                       prefix_cache_min_tokens=32) as (engine, faulty):
         faulty.poison = POISON
 
         async def scenario():

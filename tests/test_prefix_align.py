@@ -61,7 +61,8 @@ def test_aligned_hits_in_a_burst_equal_their_solo_outputs(tiny_qwen3_dir):
     """With the engine's alignment at 16, 4 requests starting with a 40-token prompt served before reuse 32 of its
     tokens (Finished says so), run in one pass of rests beside whole prompts, and each equals its solo output."""
     model, _ = load(str(tiny_qwen3_dir))
-    engine = BatchedEngine(model, EngineConfig(max_running=16, prefix_cache_bytes=64 * 2**20, warmup_tokens=1))
+    engine = BatchedEngine(model, EngineConfig(max_running=16, prefix_cache_bytes=64 * 2**20, warmup_tokens=1,
+                                               prefix_cache_min_tokens=32))
     engine.start()
     engine.reuse.align = 16
     engine.scheduler.max_pass_tokens = 16384

@@ -13,6 +13,9 @@ from tests.vision_helpers import chat_body, user_with_images
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
 SYSTEM = {"role": "system", "content": "You are a careful assistant who describes pictures."}
+# The tiny models' image prompts are short: a cached state of 32 tokens or more is reused (the default, 64, would
+# leave these conversations cold).
+MIN_32 = "[engine]\nprefix_cache_min_tokens = 32\n"
 
 
 def chat(client, messages, **extra):
@@ -49,7 +52,7 @@ def test_each_family_serves_text_and_images_and_streams(family, tiny_vlm, tmp_pa
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_images_are_cached_by_their_bytes(family, tiny_vlm, tmp_path):
-    with app_client(write_config(tmp_path, tiny_vlm(family))) as (client, daemon):
+    with app_client(write_config(tmp_path, tiny_vlm(family), extra=MIN_32)) as (client, daemon):
         warmed = vision_status(client)["num_vision_calls"]
         first = chat(client, [SYSTEM, user_with_images("What is this?", 1)])
         calls = vision_status(client)["num_vision_calls"]
@@ -175,7 +178,7 @@ def test_anthropic_and_responses_images_answer_as_the_chat_route_does(tiny_vlm, 
 
 @pytest.mark.parametrize(("sizes", "expected"), [("[]", 0), ("[32, 96]", 2)])
 def test_warm_up_sends_one_image_of_each_configured_size(tiny_vlm, tmp_path, capsys, sizes, expected):
-    extra = f"[vision]\nwarm_up_image_sizes = {sizes}\n"
+    extra = f"[vision]\nwarm_up_image_sizes = {sizes}\n{MIN_32}"
     with app_client(write_config(tmp_path, tiny_vlm("qwen2_5_vl"), extra=extra)) as (client, _):
         assert vision_status(client)["num_vision_calls"] == expected
     logged = [line for line in capsys.readouterr().out.splitlines() if "image_warm_up " in line]

@@ -193,8 +193,10 @@ class EngineConfig(Base):
     # A cached state covering fewer prompt tokens than this is not reused: it saves less than it costs, since a
     # prompt that starts from a cached state runs in a pass of its own kind (with the rests of other such prompts),
     # not in one pass with the whole prompts arriving with it (a chat template's first tokens, or a short system
-    # prompt, are shared by many requests).
-    prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 32
+    # prompt, are shared by many requests). On an H200 (8B shape) bursts of 64 prompts in which 2-3 started from a
+    # 32-token state waited 0.27-0.40 s for their pass of rests (first tokens p50 0.85-0.96 s against 0.57-0.60 s)
+    # to save 64-96 tokens (docs/benchmarks/engine.md).
+    prefix_cache_min_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 64
     # The prefix cache's disk tier (mlxd/cache/disk.py): a folder (relative to the config's folder) where entries
     # evicted from memory are written in the background, and those still in memory on a clean stop; a restarted
     # daemon finds them. Files are per model identity (weights digest, kv_bits, max_kv_size) in a subfolder, checked
