@@ -1,6 +1,6 @@
 """benchmarks/load.py's bookkeeping: the engine step phases it reads from mlxd's /v1/status between two readings,
-and an in-process BatchGenerator run that runs out of device memory reported as failed instead of ending the
-comparison (it did, beside three servers on one H200)."""
+an in-process BatchGenerator run that runs out of device memory reported as failed instead of ending the
+comparison (it did, beside three servers on one H200), and the servers' order turning from round to round."""
 
 from __future__ import annotations
 
@@ -55,3 +55,12 @@ def test_a_batch_generator_run_out_of_device_memory_is_a_failed_run(load_py, mon
     monkeypatch.setattr(load_py, "_batch_generator_run", broken)
     with pytest.raises(RuntimeError, match="something else"):
         load_py.direct_batch_generator(object(), _Tokenizer(), ["a"], 8)
+
+
+def test_every_server_runs_first_after_the_in_process_run_in_turn(load_py):
+    servers = ["mlxd", "baseline", "vllm-mlx"]
+    orders = [load_py.rotated(servers, shift) for shift in range(6)]
+    assert [order[0] for order in orders] == servers * 2  # each one first, in turn
+    assert all(sorted(order) == sorted(servers) for order in orders)
+    assert orders[1] == ["baseline", "vllm-mlx", "mlxd"]  # the cycle's order is kept
+    assert load_py.rotated([], 3) == []
