@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import socket
@@ -128,6 +129,13 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float, log_path: Pa
                 return
         time.sleep(0.25)
     raise AssertionError(f"server not healthy after {timeout}s:\n{log_path.read_text()}")
+
+
+def log_lines(path: Path) -> list[dict]:
+    """A server's JSON log lines written so far. A line still being written (no newline yet) is left for the next
+    read: a test that polls a running server's log would otherwise parse half a line."""
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.startswith("{")]
 
 
 def sse_events(text: str) -> list[Any]:

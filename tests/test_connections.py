@@ -19,6 +19,7 @@ import pytest
 
 from mlxd.runtime.descriptors import MAX_DERIVED_CONNECTIONS, accept_backlog, connection_limit
 from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.helpers import log_lines as events
 
 TIMEOUTS = "header_timeout_s = 2\nbody_timeout_s = 2\n"
 # Long enough for the test to open every connection the server takes before the first of them expires.
@@ -35,10 +36,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-def events(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def connect(port: int, data: bytes = b"") -> socket.socket:

@@ -3,7 +3,6 @@ the config's `[logging]` table again, without stopping the server."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -11,10 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.helpers import free_port, serve_subprocess, write_config
-
-
-def events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+from tests.helpers import log_lines as events
 
 
 def complete(base: str) -> None:
@@ -78,3 +74,12 @@ def test_a_config_broken_before_sighup_keeps_the_level_and_still_reopens(tiny_mo
         failed = [e for e in events(log) if e["event"] == "logging_reload_failed"]
         assert failed and "logging.level" in failed[0]["reason"]
         assert proc.poll() is None
+
+
+def test_a_log_line_still_being_written_is_left_for_the_next_read(tmp_path):
+    """Tests poll running servers' logs: the line a server is in the middle of writing is not parsed yet."""
+    log = tmp_path / "mlxd.log"
+    log.write_text('{"event": "a"}\nnot json\n{"interval_s": 10.')
+    assert events(log) == [{"event": "a"}]
+    log.write_text('{"event": "a"}\nnot json\n{"interval_s": 10.0}\n')
+    assert events(log) == [{"event": "a"}, {"interval_s": 10.0}]

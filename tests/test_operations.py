@@ -3,7 +3,6 @@ directory cannot shadow, interrupted GGUF conversions cleaned up, early disconne
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,6 +18,7 @@ import pytest
 from mlxd.runtime.blas import ENV_REEXECED
 from mlxd.runtime.heap import HeapTrimmer, rss_bytes
 from tests.helpers import free_port, stop_process, wait_healthy, write_config
+from tests.helpers import log_lines as events
 
 linux_glibc = pytest.mark.skipif(sys.platform != "linux", reason="malloc_trim and /proc are Linux (glibc) only")
 
@@ -115,10 +115,6 @@ def test_a_client_that_leaves_before_its_body_is_read_is_an_info_line(shadowed_d
     assert all(e["level"] == "info" and "exception" not in e for e in lines), lines
     assert not [e for e in events(log) if e["level"] == "error"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
-
-
-def events(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def test_interrupted_gguf_conversions_are_removed_when_the_daemon_next_loads_a_gguf(tmp_path):

@@ -31,7 +31,7 @@ from mlxd.api.responses_schemas import ResponseSettings, ResponsesRequest
 from mlxd.config.sampling import MLXD_SAMPLING
 from mlxd.errors import EngineError, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
-from tests.helpers import free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.helpers import free_port, log_lines, serve_subprocess, stop_process, wait_healthy, write_config
 from tests.support.tool_templates import TOOL_TEMPLATES
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city.", "strict": False,
@@ -122,11 +122,6 @@ def check_stream(events: list) -> None:
     assert open_index is None
     final = events[-1].response
     assert [item.id for item in final.output] == [e.item.id for e in done]
-
-
-def log_lines(path: Path) -> list[dict]:
-    """A server's JSON log lines."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
 def streamed(client: openai.OpenAI, **kwargs) -> tuple[list, object]:

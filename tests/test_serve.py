@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import openai
 import pytest
 
 from mlxd.runtime.blas import find_openblas
-from tests.helpers import free_port, serve_subprocess, write_config
+from tests.helpers import free_port, log_lines, serve_subprocess, write_config
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +18,6 @@ def server(tiny_model_dir, tmp_path_factory):
     config = write_config(tmp, tiny_model_dir, port=port)
     with serve_subprocess(config, port) as (base, proc):
         yield base, proc, tmp / f"server-{port}.log"
-
-
-def log_lines(path: Path) -> list[dict]:
-    lines = []
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            lines.append(json.loads(line))
-    return lines
 
 
 def test_openai_sdk_stream_equals_non_stream(server):
