@@ -34,7 +34,15 @@ from mlxd.config.schema import SamplingDefaults
 from mlxd.errors import ContextLengthExceeded, EngineError, NotReady, Overloaded, RequestError
 from mlxd.pipeline.events import ContentDelta, Done, ReasoningDelta, ToolCallDelta
 from mlxd.pipeline.stages.template_points import strip_marks
-from tests.helpers import SHORT_HITS, free_port, serve_subprocess, stop_process, wait_healthy, write_config
+from tests.helpers import (
+    SHORT_HITS,
+    free_port,
+    log_lines,
+    serve_subprocess,
+    stop_process,
+    wait_healthy,
+    write_config,
+)
 from tests.support.tool_templates import TOOL_TEMPLATES
 
 KEY = "test-anthropic-key"
@@ -395,7 +403,7 @@ def test_a_huge_max_tokens_is_clamped_not_refused(daemons, client):
     # Running out of the clamped max_tokens is running out of context.
     assert full.stop_reason == "model_context_window_exceeded"
     assert full.usage.input_tokens + full.usage.output_tokens == CONTEXT
-    lines = [json.loads(line) for line in daemons[0][2].read_text().splitlines() if line.startswith("{")]
+    lines = log_lines(daemons[0][2])
     for id in (message.id, full.id):
         (line,) = [e for e in lines if e.get("request_id") == id and e.get("event") == "request"]
         assert line["max_tokens_clamped_from"] == 128000 and line["endpoint"] == "messages"

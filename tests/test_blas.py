@@ -29,7 +29,7 @@ from mlxd.runtime.blas import (
     reference_blas_warning,
     system_openblas,
 )
-from tests.helpers import free_port, serve_subprocess, write_config
+from tests.helpers import free_port, log_lines, serve_subprocess, write_config
 
 ROOT = Path(mlxd.__file__).resolve().parent.parent
 
@@ -271,8 +271,7 @@ def test_serving_without_openblas_logs_one_warning(tmp_path: Path, tiny_model_di
     config = write_config(tmp_path, tiny_model_dir, port=port)
     with serve_subprocess(config, port, env={ENV_SETTING: "0", "LD_PRELOAD": ""}):
         pass
-    lines = [json.loads(line) for line in (tmp_path / f"server-{port}.log").read_text().splitlines()
-             if line.startswith("{")]
+    lines = log_lines(tmp_path / f"server-{port}.log")
     ready = next(line for line in lines if line.get("event") == "model_ready")
     assert ready["dtype"] == "float32" and not any("libopenblas" in lib for lib in ready["blas"])
     warnings = [line for line in lines if line.get("event") == "reference_blas"]

@@ -35,7 +35,7 @@ from mlxd.engine.requests import Submitted
 from mlxd.engine.schedule.scheduler import SequenceState
 from mlxd.engine.step.sampling import make_request_sampler
 from mlxd.pipeline.job import Job
-from tests.helpers import ROOT, collect, free_port, wait_healthy, write_config
+from tests.helpers import ROOT, collect, free_port, log_lines, wait_healthy, write_config
 
 CHUNK = 16
 NUM_CHUNKS = 5
@@ -271,7 +271,7 @@ def slow_server(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, int, Pa
 
 
 def request_lines(log_path: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    lines = log_lines(log_path)
     return [line for line in lines if line.get("event") == "request"]
 
 

@@ -24,7 +24,7 @@ import uvicorn
 from mlxd.api.app import create_app
 from mlxd.cli import load_everything
 from mlxd.daemon import Daemon
-from tests.helpers import free_port, serve_subprocess, sse_events, wait_healthy, write_config
+from tests.helpers import free_port, log_lines, serve_subprocess, sse_events, wait_healthy, write_config
 
 NO_EOS = {"0": -100.0, "2": -100.0}  # the tiny tokenizer's end-of-sequence ids: keep long requests going
 
@@ -282,7 +282,7 @@ def test_engine_thread_ending_turns_health_503_and_exits_non_zero(tiny_model_dir
             proc.kill()
     print(f"engine thread ended: exit {code} after {elapsed:.2f} s")
     assert code == 1 and elapsed < 15
-    events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    events = log_lines(log_path)
     assert any(e["event"] == "engine_failed" for e in events)
     assert any(e["event"] == "shutdown" and e.get("exit_code") == 1 for e in events)
 

@@ -21,7 +21,7 @@ import httpx
 from mlxd.cli import main
 from mlxd.config import load_config
 from mlxd.launch import launch_command
-from tests.helpers import free_port, serve_subprocess, write_config
+from tests.helpers import free_port, log_lines, serve_subprocess, write_config
 from tests.test_readme_examples import readme_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,8 +149,7 @@ def test_the_readme_s_request_log_line_has_the_fields_a_served_request_logs(tmp_
     with serve_subprocess(config, port, timeout=180) as (base, _):
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-    logged = [json.loads(line) for line in (tmp_path / f"server-{port}.log").read_text().splitlines()
-              if line.startswith("{")]
+    logged = log_lines(tmp_path / f"server-{port}.log")
     (line,) = [entry for entry in logged if entry.get("event") == "request"]
     assert (line["endpoint"], line["outcome"]) == (shown["endpoint"], shown["outcome"])
     assert set(shown) <= set(line), f"fields the README shows that a request line lacks: {set(shown) - set(line)}"
