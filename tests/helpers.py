@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -24,6 +25,16 @@ from mlxd.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_PIPELINE = ROOT / "mlxd" / "pipelines" / "chat.toml"
+
+
+def benchmark_module(name: str) -> Any:
+    """``benchmarks/NAME.py`` imported as a module (the benchmarks are scripts, not a package), registered as
+    ``bench_NAME``."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # For tests of prefix-cache hits on short prompts: reuse any cached state, however short (by default a state is

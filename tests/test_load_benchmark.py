@@ -4,22 +4,14 @@ comparison (it did, beside three servers on one H200), and the servers' order tu
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def load_py():
-    spec = importlib.util.spec_from_file_location("bench_load", ROOT / "benchmarks" / "load.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("load")
 
 
 def test_step_phases_between_two_readings(load_py):
