@@ -78,15 +78,14 @@ def run_process(spec: dict) -> None:
         mx.eval(model.parameters())
     levels, rounds = spec["levels"], spec["rounds"]
     prompts = spec["prompts"] or pick_prompts(model, tokenizer, max(levels), spec["max_tokens"])
-    best: dict[str, dict] = {}
+    results: dict[int, list[dict]] = {level: [] for level in levels}
     for _ in range(rounds):
         for level in levels:
-            result = generate(model, tokenizer, prompts[:level], spec["max_tokens"])
-            previous = best.get(str(level))
-            runs = (previous or {}).get("runs", []) + [[round(result["decode_tps"], 1), round(result["wall_tps"], 1)]]
-            if previous is None or len(runs) == 2 or result["decode_tps"] > previous["decode_tps"]:
-                best[str(level)] = result  # the first run (a warm-up) gives way to the second, then the best wins
-            best[str(level)]["runs"] = runs
+            results[level].append(generate(model, tokenizer, prompts[:level], spec["max_tokens"]))
+    best: dict[str, dict] = {}
+    for level, runs in results.items():  # the best run after the first (a warm-up), with every run's rates
+        best[str(level)] = {**max(runs[1:], key=lambda r: r["decode_tps"]),
+                            "runs": [[round(r["decode_tps"], 1), round(r["wall_tps"], 1)] for r in runs]}
     top = str(max(levels))
     if spec["ranks"] == 1:  # the margins of the one device's streams, where the group's tokens may part from them
         best[top]["margins"] = generate(model, tokenizer, prompts[:max(levels)], spec["max_tokens"],
